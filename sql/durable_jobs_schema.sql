@@ -1,0 +1,103 @@
+-- durable_jobs: the job table, its constraints and the payload-clearing trigger.
+-- Everything is schema-qualified: CREATE EXTENSION runs this with search_path = durable_jobs.
+
+-- CREATE EXTENSION reuses an existing schema of that name; refuse one somebody else prepared,
+-- since its owner could later replace what we put in it.
+DO $guard$
+BEGIN
+    IF (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname = 'durable_jobs')
+       IS DISTINCT FROM (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER) THEN
+        RAISE EXCEPTION 'schema durable_jobs exists and is owned by another role'
+            USING ERRCODE = '42501',
+                  HINT = 'Drop or rename that schema, then run CREATE EXTENSION durable_jobs again.';
+    END IF;
+END
+$guard$;
+
+REVOKE ALL ON SCHEMA durable_jobs FROM PUBLIC;
+
+CREATE TABLE durable_jobs.durable_job (
+    job_id            pg_catalog.int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue_name        pg_catalog.text NOT NULL,
+    job_kind          pg_catalog.text NOT NULL,
+    payload           pg_catalog.jsonb,
+    idempotency_key   pg_catalog.text,
+    -- sha256 of the payload's canonical text, kept after the payload is cleared.
+    payload_sha256    pg_catalog.bytea,
+    job_state         pg_catalog.text NOT NULL DEFAULT 'available',
+    priority          pg_catalog.int4 NOT NULL DEFAULT 0,
+    run_after         pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    attempt_count     pg_catalog.int4 NOT NULL DEFAULT 0,
+    max_attempts      pg_catalog.int4 NOT NULL,
+    lease_owner       pg_catalog.text,
+    lease_token       pg_catalog.uuid,
+    lease_expires_at  pg_catalog.timestamptz,
+    last_failure_code pg_catalog.text,
+    enqueued_by       pg_catalog.name NOT NULL,
+    created_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    updated_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    finished_at       pg_catalog.timestamptz,
+
+    CONSTRAINT durable_job_state_known CHECK (
+        job_state IN ('available', 'running', 'succeeded', 'failed', 'cancelled')),
+    CONSTRAINT durable_job_names_not_empty CHECK (queue_name <> '' AND job_kind <> ''),
+    CONSTRAINT durable_job_priority_range CHECK (priority BETWEEN -1000 AND 1000),
+    CONSTRAINT durable_job_attempts_within_max CHECK (
+        max_attempts BETWEEN 1 AND 1000 AND attempt_count BETWEEN 0 AND max_attempts),
+    -- Pending jobs carry their payload; terminal jobs never do.
+    CONSTRAINT durable_job_payload_only_while_pending CHECK (
+        (job_state IN ('available', 'running')) = (payload IS NOT NULL)),
+    -- A running job holds a complete lease; no other state holds any part of one.
+    CONSTRAINT durable_job_lease_only_while_running CHECK (
+        CASE WHEN job_state = 'running'
+             THEN lease_owner IS NOT NULL AND lease_token IS NOT NULL AND lease_expires_at IS NOT NULL
+             ELSE lease_owner IS NULL AND lease_token IS NULL AND lease_expires_at IS NULL END),
+    CONSTRAINT durable_job_finished_only_when_terminal CHECK (
+        (job_state IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL)),
+    CONSTRAINT durable_job_failure_code_known CHECK (
+        last_failure_code IS NULL OR last_failure_code IN (
+            'invalid_request', 'integrity_violation', 'target_rejected',
+            'target_unavailable', 'unexpected_failure', 'lease_expired')),
+    CONSTRAINT durable_job_key_has_fingerprint CHECK (
+        (idempotency_key IS NULL) = (payload_sha256 IS NULL))
+);
+
+COMMENT ON TABLE durable_jobs.durable_job IS
+    'Jobs of the durable_jobs queue. Write through the durable_jobs functions only.';
+
+-- One job per idempotency key and queue, for as long as the job row exists.
+CREATE UNIQUE INDEX durable_job_idempotency_key_idx
+    ON durable_jobs.durable_job (queue_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+
+-- Claim order over the jobs a claim can take.
+CREATE INDEX durable_job_claim_order_idx
+    ON durable_jobs.durable_job (priority DESC, run_after, job_id)
+    WHERE job_state IN ('available', 'running');
+
+-- Expired leases, for reclaiming and for expiring exhausted jobs.
+CREATE INDEX durable_job_lease_expiry_idx
+    ON durable_jobs.durable_job (lease_expires_at)
+    WHERE job_state = 'running';
+
+CREATE FUNCTION durable_jobs.clear_terminal_payload() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+BEGIN
+    NEW.payload := NULL;
+    IF NEW.finished_at IS NULL THEN
+        NEW.finished_at := pg_catalog.clock_timestamp();
+    END IF;
+    RETURN NEW;
+END
+$body$;
+
+COMMENT ON FUNCTION durable_jobs.clear_terminal_payload() IS
+    'Trigger: a job entering a terminal state loses its payload, whoever writes the row.';
+
+CREATE TRIGGER durable_job_clear_terminal_payload
+    BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
+    FOR EACH ROW
+    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled'))
+    EXECUTE FUNCTION durable_jobs.clear_terminal_payload();

@@ -1,0 +1,66 @@
+//! A jsonb value passed through untouched. pgrx's `JsonB` parses into serde_json and back, which
+//! costs time and can round numbers; a job queue must hand the payload on exactly as given.
+
+use pgrx::prelude::*;
+use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
+use pgrx::{pg_sys, FromDatum, IntoDatum, PgMemoryContexts};
+
+#[derive(Clone, Copy)]
+pub struct JsonbDatum(pg_sys::Datum);
+
+impl JsonbDatum {
+    /// The payload's size in bytes once decompressed.
+    pub fn raw_size(&self) -> usize {
+        unsafe { pg_sys::toast_raw_datum_size(self.0) }
+    }
+}
+
+impl FromDatum for JsonbDatum {
+    unsafe fn from_polymorphic_datum(
+        datum: pg_sys::Datum,
+        is_null: bool,
+        _typoid: pg_sys::Oid,
+    ) -> Option<Self> {
+        (!is_null).then_some(JsonbDatum(datum))
+    }
+
+    // SPI results vanish at SPI_finish: copy the value into the caller's context.
+    unsafe fn from_datum_in_memory_context(
+        mut memory_context: PgMemoryContexts,
+        datum: pg_sys::Datum,
+        is_null: bool,
+        _typoid: pg_sys::Oid,
+    ) -> Option<Self> {
+        if is_null {
+            return None;
+        }
+        memory_context.switch_to(|_| {
+            let copy = pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr());
+            Some(JsonbDatum(pg_sys::Datum::from(copy)))
+        })
+    }
+}
+
+impl IntoDatum for JsonbDatum {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.0)
+    }
+
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::JSONBOID
+    }
+}
+
+unsafe impl<'fcx> ArgAbi<'fcx> for JsonbDatum {
+    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+        unsafe { arg.unbox_arg_using_from_datum().expect("a non-NULL jsonb argument") }
+    }
+}
+
+unsafe impl BoxRet for JsonbDatum {
+    unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
+        unsafe { fcinfo.return_raw_datum(self.0) }
+    }
+}
+
+impl_sql_translatable!(JsonbDatum, "jsonb");

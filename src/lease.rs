@@ -1,0 +1,295 @@
+//! The lease state machine: claim, complete, fail, extend, cancel.
+//!
+//! A lease is the triple (lease_owner, lease_token, lease_expires_at) on a running job. Every
+//! transition out of `running` is fenced on all three, with expiry checked against
+//! clock_timestamp() at that moment, so a worker whose lease lapsed or was taken over changes
+//! nothing and is told `stale`.
+
+use crate::arguments;
+use crate::failure::FailureCode;
+use crate::jsonb_datum::JsonbDatum;
+use crate::privilege::{as_extension_owner, caller};
+use crate::settings;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use pgrx::Uuid;
+
+/// The lease columns as they are after leaving `running`; shared by every transition.
+const RELEASE_LEASE: &str = "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
+                             updated_at = pg_catalog.clock_timestamp()";
+
+/// Matches only the running job whose live lease is exactly ($2, $3).
+const LEASE_FENCE: &str = "job_id = $1 AND job_state = 'running' AND lease_owner = $2 \
+                           AND lease_token = $3 AND lease_expires_at > pg_catalog.clock_timestamp()";
+
+/// Expired leases with no attempts left end here instead of being claimed again.
+const EXPIRE_EXHAUSTED: &str = "
+    WITH exhausted AS (
+        SELECT job_id FROM durable_jobs.durable_job
+        WHERE job_state = 'running'
+          AND lease_expires_at <= pg_catalog.clock_timestamp()
+          AND attempt_count >= max_attempts
+          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+        ORDER BY lease_expires_at
+        LIMIT 100
+        FOR UPDATE SKIP LOCKED)
+    UPDATE durable_jobs.durable_job j
+    SET job_state = 'failed', last_failure_code = 'lease_expired',
+        finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
+    FROM exhausted WHERE j.job_id = exhausted.job_id";
+
+const CLAIM_ONE: &str = "
+    WITH candidate AS (
+        SELECT job_id FROM durable_jobs.durable_job
+        WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
+               OR (job_state = 'running'
+                   AND lease_expires_at <= pg_catalog.clock_timestamp()
+                   AND attempt_count < max_attempts))
+          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+        ORDER BY priority DESC, run_after, job_id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED)
+    UPDATE durable_jobs.durable_job j
+    SET job_state = 'running',
+        lease_owner = $2,
+        lease_token = pg_catalog.gen_random_uuid(),
+        lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
+        attempt_count = j.attempt_count + 1,
+        updated_at = pg_catalog.clock_timestamp()
+    FROM candidate WHERE j.job_id = candidate.job_id
+    RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
+              j.attempt_count, j.max_attempts";
+
+const COMPLETE: &str = "
+    UPDATE durable_jobs.durable_job
+    SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
+    WHERE %LEASE_FENCE%
+    RETURNING job_id";
+
+// $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code.
+// Backoff: base * 2^(attempt - 1), capped, times a jitter factor in [0.5, 1).
+const FAIL: &str = "
+    UPDATE durable_jobs.durable_job
+    SET job_state = CASE WHEN $4 AND attempt_count < max_attempts THEN 'available' ELSE 'failed' END,
+        run_after = CASE WHEN $4 AND attempt_count < max_attempts
+            THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs =>
+                 LEAST($6::float8, $5::float8 / 1000 * 2.0::float8 ^ (attempt_count - 1))
+                 * (0.5 + 0.5 * pg_catalog.random()))
+            ELSE run_after END,
+        finished_at = CASE WHEN $4 AND attempt_count < max_attempts THEN NULL
+                           ELSE pg_catalog.clock_timestamp() END,
+        last_failure_code = $7,
+        %RELEASE_LEASE%
+    WHERE %LEASE_FENCE%
+    RETURNING job_state";
+
+const EXTEND: &str = "
+    UPDATE durable_jobs.durable_job
+    SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+        updated_at = pg_catalog.clock_timestamp()
+    WHERE %LEASE_FENCE%
+    RETURNING lease_expires_at";
+
+// $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
+// enqueued it; members of that role (with its privileges) may cancel it too.
+const LOCK_FOR_CANCEL: &str = "
+    SELECT j.job_state,
+           $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                         WHERE r.rolname = j.enqueued_by
+                           AND pg_catalog.pg_has_role($2, r.oid, 'USAGE'))
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1
+    FOR UPDATE";
+
+const CANCEL: &str = "
+    UPDATE durable_jobs.durable_job
+    SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
+    WHERE job_id = $1 AND job_state IN ('available', 'running')";
+
+fn statement(template: &str) -> String {
+    template.replace("%RELEASE_LEASE%", RELEASE_LEASE).replace("%LEASE_FENCE%", LEASE_FENCE)
+}
+
+/// Runs a statement as the extension owner and returns its first row's first column, if any.
+fn first_value<T: FromDatum + IntoDatum>(template: &str, args: &[DatumWithOid]) -> Option<T> {
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            let rows = client.update(statement(template).as_str(), None, args).expect(template);
+            if rows.is_empty() {
+                None
+            } else {
+                rows.first().get_one::<T>().expect(template)
+            }
+        })
+    })
+}
+
+/// The fenced arguments every lease holder passes: job, owner, token.
+struct LeaseHolder {
+    job_id: i64,
+    worker_id: String,
+    lease_token: Uuid,
+}
+
+impl LeaseHolder {
+    fn new(job_id: Option<i64>, worker_id: Option<String>, lease_token: Option<Uuid>) -> Self {
+        LeaseHolder {
+            job_id: arguments::required(job_id, "job_id"),
+            worker_id: arguments::name(worker_id, "worker_id"),
+            lease_token: arguments::required(lease_token, "lease_token"),
+        }
+    }
+
+    fn args(&self) -> [DatumWithOid<'_>; 3] {
+        [self.job_id.into(), self.worker_id.as_str().into(), self.lease_token.into()]
+    }
+}
+
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn claim_next_durable_job(
+    worker_id: Option<String>,
+    queue_names: default!(Option<Vec<Option<String>>>, "NULL"),
+    lease_seconds: default!(Option<i32>, "NULL"),
+) -> TableIterator<
+    'static,
+    (
+        name!(job_id, i64),
+        name!(lease_token, Uuid),
+        name!(lease_expires_at, TimestampWithTimeZone),
+        name!(job_kind, String),
+        name!(payload, JsonbDatum),
+        name!(attempt_count, i32),
+        name!(max_attempts, i32),
+    ),
+> {
+    let worker_id = arguments::name(worker_id, "worker_id");
+    let queue_names = arguments::queue_names(queue_names);
+    let lease_seconds = arguments::lease_seconds(lease_seconds);
+
+    let claimed = as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            let queues = || -> DatumWithOid {
+                match &queue_names {
+                    Some(names) => names.clone().into(),
+                    None => DatumWithOid::null::<Vec<String>>(),
+                }
+            };
+            client
+                .update(statement(EXPIRE_EXHAUSTED).as_str(), None, &[queues()])
+                .expect("expire exhausted leases");
+            let rows = client
+                .update(
+                    CLAIM_ONE,
+                    Some(1),
+                    &[queues(), worker_id.as_str().into(), f64::from(lease_seconds).into()],
+                )
+                .expect("claim a job");
+            if rows.is_empty() {
+                return None;
+            }
+            let row = rows.first();
+            Some((
+                row.get::<i64>(1).unwrap().unwrap(),
+                row.get::<Uuid>(2).unwrap().unwrap(),
+                row.get::<TimestampWithTimeZone>(3).unwrap().unwrap(),
+                row.get::<String>(4).unwrap().unwrap(),
+                row.get::<JsonbDatum>(5).unwrap().unwrap(),
+                row.get::<i32>(6).unwrap().unwrap(),
+                row.get::<i32>(7).unwrap().unwrap(),
+            ))
+        })
+    });
+    TableIterator::new(claimed)
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn complete_durable_job(
+    job_id: Option<i64>,
+    worker_id: Option<String>,
+    lease_token: Option<Uuid>,
+) -> &'static str {
+    let holder = LeaseHolder::new(job_id, worker_id, lease_token);
+    match first_value::<i64>(COMPLETE, &holder.args()) {
+        Some(_) => "succeeded",
+        None => "stale",
+    }
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn fail_durable_job(
+    job_id: Option<i64>,
+    worker_id: Option<String>,
+    lease_token: Option<Uuid>,
+    failure_code: Option<String>,
+) -> &'static str {
+    let holder = LeaseHolder::new(job_id, worker_id, lease_token);
+    let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
+    let [job, owner, token] = holder.args();
+    let args = [
+        job,
+        owner,
+        token,
+        code.is_retryable().into(),
+        settings::RETRY_BASE_DELAY.get().into(),
+        settings::RETRY_MAX_DELAY.get().into(),
+        code.as_str().into(),
+    ];
+    match first_value::<String>(FAIL, &args).as_deref() {
+        Some("available") => "retried",
+        Some(_) => "failed",
+        None => "stale",
+    }
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn extend_durable_job_lease(
+    job_id: Option<i64>,
+    worker_id: Option<String>,
+    lease_token: Option<Uuid>,
+    lease_seconds: default!(Option<i32>, "NULL"),
+) -> Option<TimestampWithTimeZone> {
+    let holder = LeaseHolder::new(job_id, worker_id, lease_token);
+    let lease_seconds = arguments::lease_seconds(lease_seconds);
+    let [job, owner, token] = holder.args();
+    first_value(EXTEND, &[job, owner, token, f64::from(lease_seconds).into()])
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn cancel_durable_job(job_id: Option<i64>) -> bool {
+    let job_id = arguments::required(job_id, "job_id");
+    let caller = caller();
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            let found = client
+                .update(
+                    LOCK_FOR_CANCEL,
+                    None,
+                    &[job_id.into(), caller.role_oid.into(), caller.is_superuser.into()],
+                )
+                .expect("look up job to cancel");
+            if found.is_empty() {
+                return false;
+            }
+            let (state, allowed) = found.first().get_two::<String, bool>().expect("job row");
+            if allowed != Some(true) {
+                ereport!(
+                    ERROR,
+                    PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                    "permission denied to cancel a job enqueued by another role"
+                );
+            }
+            if !matches!(state.as_deref(), Some("available" | "running")) {
+                return false;
+            }
+            let cancelled =
+                client.update(statement(CANCEL).as_str(), None, &[job_id.into()]).expect("cancel");
+            cancelled.len() == 1
+        })
+    })
+}

@@ -1,0 +1,49 @@
+//! durable_jobs: a durable, lease-fenced job queue inside PostgreSQL.
+//!
+//! Each concern has its own module: `settings` (GUCs), `failure` (stable failure codes and retry
+//! backoff), `arguments` (validation of caller input), `privilege` (who the caller is, and running
+//! our own SQL as the extension owner), `jsonb_datum` (jsonb passed through untouched), `enqueue`
+//! and `lease` (claim, complete, fail, extend, cancel: the fenced state machine).
+
+use pgrx::prelude::*;
+
+mod arguments;
+mod enqueue;
+mod failure;
+mod jsonb_datum;
+mod lease;
+mod privilege;
+mod settings;
+
+::pgrx::pg_module_magic!();
+
+// The job table, its constraints and trigger come first; privileges are locked down last, after
+// pgrx has created every function (CREATE FUNCTION grants EXECUTE to PUBLIC by default).
+extension_sql_file!("../sql/durable_jobs_schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    settings::register();
+}
+
+// pgrx runs #[pg_test] functions from schema `tests`, and only from the module that is that
+// schema, so every suite file is included straight into it (they share its imports).
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    include!("../pgrx-tests/support.rs");
+    include!("../pgrx-tests/enqueue_tests.rs");
+}
+
+/// Hooks `cargo pgrx test` calls while it sets up the test cluster.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec![]
+    }
+}

@@ -1,0 +1,61 @@
+//! Who is calling, and running our own statements with the extension owner's rights.
+//!
+//! No role but the owner has any privilege on the job table. The SQL functions are SECURITY
+//! INVOKER, so EXECUTE on each is what a role is granted; inside, they note the calling role and
+//! switch to the extension owner, as pg_cron does, rather than SECURITY DEFINER, which would
+//! hide the caller.
+
+use pgrx::prelude::*;
+use pgrx::pg_sys;
+
+pub struct Caller {
+    pub role_oid: pg_sys::Oid,
+    pub role_name: String,
+    pub is_superuser: bool,
+}
+
+pub fn caller() -> Caller {
+    unsafe {
+        let role_oid = pg_sys::GetUserId();
+        let name = pg_sys::GetUserNameFromId(role_oid, false);
+        Caller {
+            role_oid,
+            role_name: std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned(),
+            is_superuser: pg_sys::superuser_arg(role_oid),
+        }
+    }
+}
+
+fn extension_owner() -> pg_sys::Oid {
+    let owner = Spi::get_one::<pg_sys::Oid>(
+        "SELECT extowner FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs'",
+    );
+    match owner {
+        Ok(Some(oid)) => oid,
+        _ => {
+            ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                "extension durable_jobs is not installed in this database"
+            );
+        }
+    }
+}
+
+/// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores
+/// the previous user by itself; the normal path restores it here.
+pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
+    let owner = extension_owner();
+    let mut saved_user = pg_sys::Oid::INVALID;
+    let mut saved_context = 0;
+    unsafe {
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(
+            owner,
+            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
+        );
+    }
+    let result = f();
+    unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };
+    result
+}

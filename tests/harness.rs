@@ -1,0 +1,134 @@
+//! A throwaway PostgreSQL cluster for end-to-end tests: initdb, start on a free loopback port,
+//! CREATE EXTENSION durable_jobs, and stop and remove it again when dropped.
+//!
+//! It uses the server binaries of `PG_BIN` (default /usr/lib/postgresql/15/bin) and the
+//! durable_jobs build that `cargo pgrx install` put there. As root it runs the server as the
+//! `postgres` OS user, since Postgres refuses to run as root.
+
+use postgres::{Client, NoTls};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub struct Cluster {
+    pub data_dir: PathBuf,
+    pub port: u16,
+    bin_dir: PathBuf,
+}
+
+static CLUSTER_SEQUENCE: AtomicUsize = AtomicUsize::new(0);
+
+fn running_as_root() -> bool {
+    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
+}
+
+/// Runs a server binary, as the postgres OS user when we are root.
+fn server_command(program: &Path) -> Command {
+    if running_as_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--"]).arg(program);
+        command
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(mut command: Command, what: &str) {
+    let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    listener.local_addr().unwrap().port()
+}
+
+impl Cluster {
+    /// A new cluster with `extra_conf` appended to postgresql.conf and the extension created.
+    pub fn start(extra_conf: &str) -> Cluster {
+        let bin_dir = PathBuf::from(
+            std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
+        );
+        let root = PathBuf::from("/var/tmp/durable_jobs_e2e");
+        std::fs::create_dir_all(&root).expect("create cluster root");
+        if running_as_root() {
+            run(
+                {
+                    let mut c = Command::new("chown");
+                    c.arg("postgres:").arg(&root);
+                    c
+                },
+                "chown cluster root",
+            );
+        }
+        let sequence = CLUSTER_SEQUENCE.fetch_add(1, Ordering::SeqCst);
+        let data_dir = root.join(format!("cluster-{}-{sequence}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data_dir);
+
+        let mut initdb = server_command(&bin_dir.join("initdb"));
+        initdb.args(["--auth=trust", "--username=postgres", "--no-sync", "-D"]).arg(&data_dir);
+        run(initdb, "initdb");
+
+        let cluster = Cluster { data_dir, port: free_port(), bin_dir };
+        let conf = format!(
+            "listen_addresses = '127.0.0.1'\nport = {}\nunix_socket_directories = '{}'\n\
+             max_connections = 50\nfsync = on\nsynchronous_commit = on\n{extra_conf}\n",
+            cluster.port,
+            cluster.data_dir.display()
+        );
+        let conf_path = cluster.data_dir.join("postgresql.conf");
+        let mut existing = std::fs::read_to_string(&conf_path).expect("read postgresql.conf");
+        existing.push_str(&conf);
+        std::fs::write(&conf_path, existing).expect("write postgresql.conf");
+        cluster.pg_ctl(&["start", "-w", "-t", "60"]);
+
+        cluster.connect().batch_execute("CREATE EXTENSION durable_jobs").expect("create extension");
+        cluster
+    }
+
+    pub fn pg_ctl(&self, args: &[&str]) {
+        let mut command = server_command(&self.bin_dir.join("pg_ctl"));
+        command.arg("-D").arg(&self.data_dir).arg("-l").arg(self.data_dir.join("server.log"));
+        command.args(args);
+        run(command, &format!("pg_ctl {args:?}"));
+    }
+
+    pub fn connection_string(&self) -> String {
+        format!("host=127.0.0.1 port={} user=postgres dbname=postgres", self.port)
+    }
+
+    pub fn connect(&self) -> Client {
+        Client::connect(&self.connection_string(), NoTls).expect("connect to test cluster")
+    }
+
+    /// Connects as another (login) role.
+    pub fn connect_as(&self, role: &str) -> Client {
+        let dsn = format!("host=127.0.0.1 port={} user={role} dbname=postgres", self.port);
+        Client::connect(&dsn, NoTls).expect("connect to test cluster as role")
+    }
+
+    pub fn server_log(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("server.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let mut command = server_command(&self.bin_dir.join("pg_ctl"));
+        command.arg("-D").arg(&self.data_dir).args(["stop", "-m", "immediate", "-w"]);
+        let _ = command.output();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.data_dir);
+        }
+    }
+}
+
+/// The SQLSTATE of a failed statement, for assertions on bad input.
+pub fn sqlstate(error: &postgres::Error) -> String {
+    error.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {error}"))
+}

@@ -1,0 +1,299 @@
+//! Many connections against one real cluster: claims never overlap, fencing holds across
+//! sessions, and cancel races complete cleanly.
+
+use harness::{sqlstate, Cluster};
+use postgres::Client;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+fn enqueue(client: &mut Client, kind: &str, n: i64) -> Vec<i64> {
+    let rows = client
+        .query(
+            "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('n', g))
+             FROM generate_series(1, $2) g",
+            &[&kind, &n],
+        )
+        .expect("enqueue");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+struct Claimed {
+    job_id: i64,
+    lease_token: String,
+    attempt_count: i32,
+}
+
+fn claim(client: &mut Client, worker: &str, lease_seconds: i32) -> Option<Claimed> {
+    client
+        .query_opt(
+            "SELECT job_id, lease_token::text, attempt_count
+             FROM durable_jobs.claim_next_durable_job($1, NULL, $2)",
+            &[&worker, &lease_seconds],
+        )
+        .expect("claim")
+        .map(|r| Claimed { job_id: r.get(0), lease_token: r.get(1), attempt_count: r.get(2) })
+}
+
+fn complete(client: &mut Client, job: &Claimed, worker: &str) -> String {
+    client
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
+            &[&job.job_id, &worker, &job.lease_token],
+        )
+        .expect("complete")
+        .get(0)
+}
+
+fn job_state(client: &mut Client, job_id: i64) -> String {
+    client
+        .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .expect("job state")
+        .get(0)
+}
+
+#[test]
+fn two_connections_never_claim_the_same_job() {
+    let cluster = Cluster::start("");
+    let mut setup = cluster.connect();
+    let jobs = enqueue(&mut setup, "report", 2);
+
+    // A holds its claim uncommitted: the row stays locked, so B must skip it, not wait.
+    let mut a = cluster.connect();
+    let mut b = cluster.connect();
+    let mut a_txn = a.transaction().unwrap();
+    let a_job: i64 = a_txn
+        .query_one("SELECT job_id FROM durable_jobs.claim_next_durable_job('worker-a')", &[])
+        .unwrap()
+        .get(0);
+    let b_job = claim(&mut b, "worker-b", 60).expect("B claims the other job").job_id;
+    assert_ne!(a_job, b_job);
+    assert!(claim(&mut setup, "worker-c", 60).is_none(), "a third claimer finds nothing free");
+    a_txn.commit().unwrap();
+
+    let mut claimed = vec![a_job, b_job];
+    claimed.sort();
+    assert_eq!(claimed, jobs);
+    assert!(claim(&mut setup, "worker-c", 60).is_none(), "live leases are not reclaimed");
+}
+
+#[test]
+fn racing_workers_claim_each_job_exactly_once() {
+    const JOBS: i64 = 2000;
+    const WORKERS: usize = 8;
+    let cluster = Arc::new(Cluster::start(""));
+    let jobs: HashSet<i64> = enqueue(&mut cluster.connect(), "etl_step", JOBS).into_iter().collect();
+
+    let claims = Arc::new(Mutex::new(Vec::new()));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let cluster = Arc::clone(&cluster);
+            let claims = Arc::clone(&claims);
+            thread::spawn(move || {
+                let mut client = cluster.connect();
+                let worker = format!("racer-{w}");
+                while let Some(job) = claim(&mut client, &worker, 300) {
+                    assert_eq!(job.attempt_count, 1, "no job is claimed a second time");
+                    assert_eq!(complete(&mut client, &job, &worker), "succeeded");
+                    claims.lock().unwrap().push(job.job_id);
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().expect("worker thread");
+    }
+
+    let claims = claims.lock().unwrap();
+    let distinct: HashSet<i64> = claims.iter().copied().collect();
+    assert_eq!(claims.len() as i64, JOBS, "every job claimed once, none twice");
+    assert_eq!(distinct, jobs);
+    let row = cluster
+        .connect()
+        .query_one(
+            "SELECT count(*) FILTER (WHERE job_state = 'succeeded' AND payload IS NULL
+                                     AND attempt_count = 1),
+                    count(*)
+             FROM durable_jobs.durable_job",
+            &[],
+        )
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (JOBS, JOBS));
+}
+
+#[test]
+fn completion_after_lease_expiry_is_stale_and_does_not_overwrite_the_reclaim() {
+    let cluster = Cluster::start("");
+    let mut first = cluster.connect();
+    let mut second = cluster.connect();
+    let job_id = enqueue(&mut first, "slow", 1)[0];
+
+    let lost = claim(&mut first, "worker-1", 1).unwrap();
+    thread::sleep(Duration::from_millis(1500));
+    // Expired but not yet reclaimed: the late holder is already stale.
+    assert_eq!(complete(&mut first, &lost, "worker-1"), "stale");
+    assert_eq!(job_state(&mut first, job_id), "running");
+
+    let taken = claim(&mut second, "worker-2", 60).expect("expired lease is reclaimed");
+    assert_eq!((taken.job_id, taken.attempt_count), (job_id, 2));
+    assert_ne!(taken.lease_token, lost.lease_token);
+
+    // Every fenced call of the old holder is refused and changes nothing.
+    assert_eq!(complete(&mut first, &lost, "worker-1"), "stale");
+    let failed: String = first
+        .query_one(
+            "SELECT durable_jobs.fail_durable_job($1, 'worker-1', $2::text::uuid, 'target_unavailable')",
+            &[&job_id, &lost.lease_token],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(failed, "stale");
+    let extended: Option<std::time::SystemTime> = first
+        .query_one(
+            "SELECT durable_jobs.extend_durable_job_lease($1, 'worker-1', $2::text::uuid)",
+            &[&job_id, &lost.lease_token],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(extended, None);
+    let row = first
+        .query_one(
+            "SELECT lease_owner, lease_token::text, last_failure_code
+             FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "worker-2");
+    assert_eq!(row.get::<_, String>(1), taken.lease_token);
+    assert_eq!(row.get::<_, Option<String>>(2), None);
+
+    assert_eq!(complete(&mut second, &taken, "worker-2"), "succeeded");
+    assert_eq!(job_state(&mut first, job_id), "succeeded");
+}
+
+#[test]
+fn cancel_while_running_makes_the_holder_stale() {
+    let cluster = Cluster::start("");
+    let mut worker = cluster.connect();
+    let mut operator = cluster.connect();
+    let job_id = enqueue(&mut operator, "cancellable", 1)[0];
+    let job = claim(&mut worker, "worker-1", 60).unwrap();
+
+    let cancelled: bool =
+        operator.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+    assert!(cancelled);
+    assert_eq!(complete(&mut worker, &job, "worker-1"), "stale");
+    let row = operator
+        .query_one(
+            "SELECT job_state, payload IS NULL, lease_token IS NULL
+             FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "cancelled");
+    assert!(row.get::<_, bool>(1) && row.get::<_, bool>(2));
+}
+
+#[test]
+fn cancel_waits_for_an_uncommitted_complete_and_then_loses() {
+    let cluster = Arc::new(Cluster::start(""));
+    let mut worker = cluster.connect();
+    let job_id = enqueue(&mut worker, "race", 1)[0];
+    let job = claim(&mut worker, "worker-1", 60).unwrap();
+
+    let mut txn = worker.transaction().unwrap();
+    let outcome: String = txn
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, 'worker-1', $2::text::uuid)",
+            &[&job_id, &job.lease_token],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome, "succeeded");
+
+    let canceller = {
+        let cluster = Arc::clone(&cluster);
+        thread::spawn(move || -> bool {
+            let mut operator = cluster.connect();
+            operator.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0)
+        })
+    };
+    // The cancel blocks on the row lock of the uncommitted completion.
+    thread::sleep(Duration::from_millis(500));
+    assert!(!canceller.is_finished(), "cancel waits for the completing transaction");
+    txn.commit().unwrap();
+    assert!(!canceller.join().unwrap(), "a succeeded job cannot be cancelled");
+    assert_eq!(job_state(&mut cluster.connect(), job_id), "succeeded");
+}
+
+#[test]
+fn documented_roles_can_do_exactly_their_part() {
+    let cluster = Cluster::start("");
+    let mut admin = cluster.connect();
+    // The GRANTs of docs/runbook.md, "Roles and privileges".
+    admin
+        .batch_execute(
+            "CREATE ROLE app_producer LOGIN;
+             CREATE ROLE other_producer LOGIN;
+             CREATE ROLE app_worker LOGIN;
+             CREATE ROLE nobody LOGIN;
+             GRANT USAGE ON SCHEMA durable_jobs TO app_producer, other_producer, app_worker;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.cancel_durable_job(bigint)
+               TO app_producer, other_producer;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.claim_next_durable_job(text, text[], integer),
+                 durable_jobs.complete_durable_job(bigint, text, uuid),
+                 durable_jobs.fail_durable_job(bigint, text, uuid, text),
+                 durable_jobs.extend_durable_job_lease(bigint, text, uuid, integer)
+               TO app_worker;",
+        )
+        .unwrap();
+
+    let mut producer = cluster.connect_as("app_producer");
+    let mut other = cluster.connect_as("other_producer");
+    let mut worker = cluster.connect_as("app_worker");
+    let mut nobody = cluster.connect_as("nobody");
+
+    let job_id: i64 = producer
+        .query_one("SELECT durable_jobs.enqueue_durable_job('mail', '{\"id\": 7}')", &[])
+        .unwrap()
+        .get(0);
+    let enqueued_by: String = admin
+        .query_one("SELECT enqueued_by::text FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .unwrap()
+        .get(0);
+    assert_eq!(enqueued_by, "app_producer");
+
+    let denied = |client: &mut Client, statement: &str| {
+        let error = client.batch_execute(statement).expect_err(statement);
+        assert_eq!(sqlstate(&error), "42501", "{statement}: {error}");
+    };
+    // Nothing for a role without grants, not even reading the table.
+    denied(&mut nobody, "SELECT durable_jobs.enqueue_durable_job('mail', '{}')");
+    denied(&mut nobody, "SELECT * FROM durable_jobs.durable_job");
+    denied(&mut nobody, "SELECT * FROM durable_jobs.claim_next_durable_job('w')");
+    // A producer cannot claim, read the table, or cancel another role's job.
+    denied(&mut producer, "SELECT * FROM durable_jobs.claim_next_durable_job('w')");
+    denied(&mut producer, "SELECT * FROM durable_jobs.durable_job");
+    denied(&mut producer, "UPDATE durable_jobs.durable_job SET priority = 5");
+    denied(&mut other, &format!("SELECT durable_jobs.cancel_durable_job({job_id})"));
+    // A worker cannot enqueue or cancel.
+    denied(&mut worker, "SELECT durable_jobs.enqueue_durable_job('mail', '{}')");
+    denied(&mut worker, &format!("SELECT durable_jobs.cancel_durable_job({job_id})"));
+    assert_eq!(job_state(&mut admin, job_id), "available", "refused calls changed nothing");
+
+    // The worker runs the job; the owner cancels its own second job.
+    let job = claim(&mut worker, "w", 60).expect("worker claims");
+    assert_eq!(job.job_id, job_id);
+    assert_eq!(complete(&mut worker, &job, "w"), "succeeded");
+    let second: i64 = producer
+        .query_one("SELECT durable_jobs.enqueue_durable_job('mail', '{\"id\": 8}')", &[])
+        .unwrap()
+        .get(0);
+    let cancelled: bool =
+        producer.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&second]).unwrap().get(0);
+    assert!(cancelled);
+}
