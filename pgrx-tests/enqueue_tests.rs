@@ -1,17 +1,144 @@
+// enqueue_durable_job: defaults, idempotency keys and bad input.
 
 #[pg_test]
-fn enqueue_returns_a_new_available_job() {
-    let job_id: i64 = one("SELECT durable_jobs.enqueue_durable_job('send_email', '{\"to\": 1}')");
-    let (state, queue) = Spi::get_two_with_args::<String, String>(
-        "SELECT job_state, queue_name FROM durable_jobs.durable_job WHERE job_id = $1",
+fn enqueue_fills_the_documented_defaults() {
+    let job_id = enqueue("send_email", r#"{"to": 1}"#);
+    let row = Spi::get_one_with_args::<bool>(
+        "SELECT job_state = 'available' AND queue_name = 'default' AND priority = 0
+                AND attempt_count = 0 AND max_attempts = 5 AND run_after = now()
+                AND enqueued_by = current_user AND idempotency_key IS NULL
+                AND lease_owner IS NULL AND finished_at IS NULL AND last_failure_code IS NULL
+                AND payload = '{\"to\": 1}'
+         FROM durable_jobs.durable_job WHERE job_id = $1",
         &[job_id.into()],
-    )
-    .unwrap();
-    assert_eq!(state.as_deref(), Some("available"));
-    assert_eq!(queue.as_deref(), Some("default"));
+    );
+    assert_eq!(row, Ok(Some(true)));
 }
 
 #[pg_test]
-fn enqueue_rejects_null_kind() {
-    assert_rejected("SELECT durable_jobs.enqueue_durable_job(NULL, '{}')", "22004");
+fn enqueue_takes_every_argument() {
+    let job_id: i64 = one(
+        "SELECT durable_jobs.enqueue_durable_job('etl.load', '[1, 2]', 'key-1', 'nightly',
+                now() + interval '1 hour', 3, -7)",
+    );
+    let matches = Spi::get_one_with_args::<bool>(
+        "SELECT queue_name = 'nightly' AND job_kind = 'etl.load' AND idempotency_key = 'key-1'
+                AND max_attempts = 3 AND priority = -7 AND run_after = now() + interval '1 hour'
+         FROM durable_jobs.durable_job WHERE job_id = $1",
+        &[job_id.into()],
+    );
+    assert_eq!(matches, Ok(Some(true)));
+}
+
+#[pg_test]
+fn max_attempts_default_follows_the_setting() {
+    Spi::run("SET LOCAL durable_jobs.max_attempts = 9").unwrap();
+    let job_id = enqueue("k", "{}");
+    assert_eq!(job_field::<i32>(job_id, "max_attempts"), Some(9));
+}
+
+#[pg_test]
+fn payload_is_kept_exactly() {
+    // Numbers beyond f64 precision must survive: the payload is never parsed outside Postgres.
+    let payload = r#"{"amount": 12345678901234567890.123456789, "nested": {"a": [true, null]}}"#;
+    let job_id = enqueue("exact", payload);
+    let same = Spi::get_one_with_args::<bool>(
+        "SELECT payload = $2::jsonb FROM durable_jobs.durable_job WHERE job_id = $1",
+        &[job_id.into(), payload.into()],
+    );
+    assert_eq!(same, Ok(Some(true)));
+    let (claimed_job, _) = claim("w").unwrap();
+    assert_eq!(claimed_job, job_id);
+}
+
+#[pg_test]
+fn same_idempotency_key_and_payload_returns_the_existing_job() {
+    let enqueue_keyed = |payload: &str| -> i64 {
+        Spi::get_one_with_args::<i64>(
+            "SELECT durable_jobs.enqueue_durable_job('charge', $1::jsonb, 'order-42')",
+            &[payload.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let first = enqueue_keyed(r#"{"a": 1, "b": 2}"#);
+    // Key order and spacing do not matter: jsonb compares values.
+    let again = enqueue_keyed(r#"{ "b": 2,   "a": 1 }"#);
+    assert_eq!(first, again);
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job"), 1);
+
+    // Still recognised after the job finished and its payload was cleared.
+    let (job_id, token) = claim("w").unwrap();
+    assert_eq!(complete(job_id, "w", token), "succeeded");
+    assert_eq!(job_field::<String>(first, "payload::text"), None);
+    assert_eq!(enqueue_keyed(r#"{"a": 1, "b": 2}"#), first);
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job"), 1);
+}
+
+#[pg_test]
+fn same_idempotency_key_with_other_kind_or_payload_is_rejected() {
+    let first: i64 =
+        one("SELECT durable_jobs.enqueue_durable_job('charge', '{\"a\": 1}', 'order-7')");
+    assert_rejected(
+        "SELECT durable_jobs.enqueue_durable_job('charge', '{\"a\": 2}', 'order-7')",
+        "23505",
+    );
+    assert_rejected(
+        "SELECT durable_jobs.enqueue_durable_job('refund', '{\"a\": 1}', 'order-7')",
+        "23505",
+    );
+    // Also after the payload was cleared: the fingerprint remains.
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[first.into()]).unwrap();
+    assert_rejected(
+        "SELECT durable_jobs.enqueue_durable_job('charge', '{\"a\": 2}', 'order-7')",
+        "23505",
+    );
+}
+
+#[pg_test]
+fn idempotency_keys_are_per_queue() {
+    let a: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', 'same', 'queue-a')");
+    let b: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', 'same', 'queue-b')");
+    assert_ne!(a, b);
+}
+
+#[pg_test]
+fn enqueue_rejects_bad_input() {
+    let cases = [
+        ("NULL, '{}'", "22004"),
+        ("'', '{}'", "22023"),
+        ("'has space', '{}'", "22023"),
+        ("'k''; DROP TABLE durable_jobs.durable_job; --', '{}'", "22023"),
+        ("repeat('k', 129), '{}'", "22023"),
+        ("'k', NULL", "22004"),
+        ("'k', '{}', ''", "22023"),
+        ("'k', '{}', repeat('x', 256)", "22023"),
+        ("'k', '{}', NULL, NULL", "22004"),
+        ("'k', '{}', NULL, ''", "22023"),
+        ("'k', '{}', NULL, 'default', NULL", "22004"),
+        ("'k', '{}', NULL, 'default', 'infinity'", "22023"),
+        ("'k', '{}', NULL, 'default', '-infinity'", "22023"),
+        ("'k', '{}', NULL, 'default', now(), 0", "22023"),
+        ("'k', '{}', NULL, 'default', now(), -1", "22023"),
+        ("'k', '{}', NULL, 'default', now(), 1001", "22023"),
+        ("'k', '{}', NULL, 'default', now(), 3, NULL", "22004"),
+        ("'k', '{}', NULL, 'default', now(), 3, 1001", "22023"),
+        ("'k', '{}', NULL, 'default', now(), 3, -1001", "22023"),
+    ];
+    enqueue("existing", "{}");
+    for (arguments, sqlstate) in cases {
+        assert_rejected(&format!("SELECT durable_jobs.enqueue_durable_job({arguments})"), sqlstate);
+    }
+    // Malformed JSON never reaches us: jsonb input rejects it.
+    assert_rejected("SELECT durable_jobs.enqueue_durable_job('k', '{oops')", "22P02");
+}
+
+#[pg_test]
+fn enqueue_rejects_a_payload_over_the_size_limit() {
+    Spi::run("SET LOCAL durable_jobs.max_payload_size = '1kB'").unwrap();
+    assert_rejected(
+        "SELECT durable_jobs.enqueue_durable_job('k', jsonb_build_object('blob', repeat('x', 2000)))",
+        "54000",
+    );
+    enqueue("k", r#"{"small": true}"#);
 }

@@ -42,3 +42,63 @@ pub fn jobs_fingerprint() -> String {
 pub fn one<T: pgrx::FromDatum + pgrx::IntoDatum>(query: &str) -> T {
     Spi::get_one::<T>(query).expect(query).expect("value is not NULL")
 }
+
+pub fn enqueue(job_kind: &str, payload: &str) -> i64 {
+    Spi::get_one_with_args::<i64>(
+        "SELECT durable_jobs.enqueue_durable_job($1, $2::jsonb)",
+        &[job_kind.into(), payload.into()],
+    )
+    .expect("enqueue")
+    .expect("job_id")
+}
+
+/// A claim as a worker would make it: (job_id, lease_token), or None when nothing is ready.
+pub fn claim(worker_id: &str) -> Option<(i64, pgrx::Uuid)> {
+    Spi::get_two_with_args::<i64, pgrx::Uuid>(
+        "SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job($1)",
+        &[worker_id.into()],
+    )
+    .map(|(job, token)| job.zip(token))
+    .unwrap_or(None)
+}
+
+/// Calls complete or fail (`call` is the SQL call with $1 job_id, $2 worker_id, $3 lease_token).
+pub fn fenced(call: &str, job_id: i64, worker_id: &str, lease_token: pgrx::Uuid) -> String {
+    Spi::get_one_with_args::<String>(
+        &format!("SELECT durable_jobs.{call}"),
+        &[job_id.into(), worker_id.into(), lease_token.into()],
+    )
+    .expect(call)
+    .expect("fenced call returns a word")
+}
+
+pub fn complete(job_id: i64, worker_id: &str, lease_token: pgrx::Uuid) -> String {
+    fenced("complete_durable_job($1, $2, $3)", job_id, worker_id, lease_token)
+}
+
+pub fn fail(job_id: i64, worker_id: &str, lease_token: pgrx::Uuid, code: &str) -> String {
+    fenced(&format!("fail_durable_job($1, $2, $3, '{code}')"), job_id, worker_id, lease_token)
+}
+
+/// One column of one job, e.g. `job_field::<String>(id, "job_state")`.
+pub fn job_field<T: pgrx::FromDatum + pgrx::IntoDatum>(job_id: i64, column: &str) -> Option<T> {
+    Spi::get_one_with_args::<T>(
+        &format!("SELECT {column} FROM durable_jobs.durable_job WHERE job_id = $1"),
+        &[job_id.into()],
+    )
+    .expect(column)
+}
+
+pub fn job_state(job_id: i64) -> String {
+    job_field::<String>(job_id, "job_state").expect("job exists")
+}
+
+/// Makes a job's lease lapse now, as if its holder had stalled past the expiry.
+pub fn expire_lease(job_id: i64) {
+    Spi::run_with_args(
+        "UPDATE durable_jobs.durable_job
+         SET lease_expires_at = clock_timestamp() - interval '1 second' WHERE job_id = $1",
+        &[job_id.into()],
+    )
+    .expect("expire lease");
+}

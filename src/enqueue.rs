@@ -63,10 +63,9 @@ fn enqueue_durable_job(
                         enqueued_by.as_str().into(),
                     ],
                 )
-                .and_then(|rows| rows.first().get_one::<i64>())
                 .expect("insert job");
-            if let Some(job_id) = inserted {
-                return job_id;
+            if !inserted.is_empty() {
+                return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
             }
             // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
             let key = idempotency_key.as_deref().expect("a conflict implies a key");
@@ -81,8 +80,11 @@ fn enqueue_durable_job(
                         payload.into(),
                     ],
                 )
-                .and_then(|rows| rows.first().get_two::<i64, bool>())
                 .expect("look up idempotency key");
+            let existing = match existing.is_empty() {
+                true => (None, None),
+                false => existing.first().get_two::<i64, bool>().expect("existing job"),
+            };
             match existing {
                 (Some(job_id), Some(true)) => job_id,
                 (Some(_), _) => {

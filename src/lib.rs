@@ -36,6 +36,9 @@ mod tests {
 
     include!("../pgrx-tests/support.rs");
     include!("../pgrx-tests/enqueue_tests.rs");
+    include!("../pgrx-tests/lease_tests.rs");
+    include!("../pgrx-tests/cancel_tests.rs");
+    include!("../pgrx-tests/schema_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.

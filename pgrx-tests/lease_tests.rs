@@ -1,0 +1,271 @@
+// claim, complete, fail, extend: the fenced lease state machine.
+
+#[pg_test]
+fn claim_on_an_empty_queue_returns_no_row() {
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.claim_next_durable_job('w')"), 0);
+}
+
+#[pg_test]
+fn claim_takes_priority_then_run_after_then_job_id() {
+    let enqueue_at = |priority: i32, seconds_ago: i32| -> i64 {
+        Spi::get_one_with_args::<i64>(
+            "SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'default',
+                    now() - make_interval(secs => $2), NULL, $1)",
+            &[priority.into(), seconds_ago.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let low_old = enqueue_at(0, 100);
+    let high_new = enqueue_at(5, 1);
+    let high_old = enqueue_at(5, 50);
+    let high_old_twin = enqueue_at(5, 50);
+    let order: Vec<i64> = (0..4).map(|_| claim("w").unwrap().0).collect();
+    assert_eq!(order, vec![high_old, high_old_twin, high_new, low_old]);
+    assert!(claim("w").is_none());
+}
+
+#[pg_test]
+fn claim_skips_future_jobs_and_other_queues() {
+    Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'default', now() + interval '1 minute')")
+        .unwrap();
+    let other: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'other')");
+    assert_eq!(
+        one::<i64>("SELECT count(*) FROM durable_jobs.claim_next_durable_job('w', ARRAY['default'])"),
+        0
+    );
+    let claimed: i64 = one("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', ARRAY['x', 'other'])");
+    assert_eq!(claimed, other);
+}
+
+#[pg_test]
+fn claim_returns_and_records_the_lease() {
+    let job_id = enqueue("resize", r#"{"image": 3}"#);
+    // The claim's own row, compared with the table in a later statement (a statement does not
+    // see the writes of functions it calls).
+    Spi::run("CREATE TEMP TABLE claimed AS SELECT * FROM durable_jobs.claim_next_durable_job('worker-9')")
+        .unwrap();
+    let row = Spi::get_one::<bool>(
+        "SELECT c.job_id = j.job_id AND c.lease_token = j.lease_token
+                AND c.lease_expires_at = j.lease_expires_at AND c.job_kind = 'resize'
+                AND c.payload = '{\"image\": 3}' AND c.attempt_count = 1 AND c.max_attempts = 5
+                AND j.job_state = 'running' AND j.lease_owner = 'worker-9'
+                AND j.lease_expires_at BETWEEN clock_timestamp() + interval '59 seconds'
+                                           AND clock_timestamp() + interval '60 seconds'
+         FROM claimed c JOIN durable_jobs.durable_job j USING (job_id)",
+    );
+    assert_eq!(row, Ok(Some(true)));
+    assert_eq!(job_field::<i32>(job_id, "attempt_count"), Some(1));
+}
+
+#[pg_test]
+fn lease_length_follows_the_settings_and_bounds() {
+    enqueue("k", "{}");
+    enqueue("k", "{}");
+    Spi::run("SET LOCAL durable_jobs.lease_duration = 10").unwrap();
+    let short: bool = one(
+        "SELECT lease_expires_at <= clock_timestamp() + interval '10 seconds'
+         FROM durable_jobs.claim_next_durable_job('w')",
+    );
+    assert!(short);
+    // The default never exceeds the maximum.
+    Spi::run("SET LOCAL durable_jobs.lease_duration = 100; SET LOCAL durable_jobs.max_lease_duration = 5")
+        .unwrap();
+    let capped: bool = one(
+        "SELECT lease_expires_at <= clock_timestamp() + interval '5 seconds'
+         FROM durable_jobs.claim_next_durable_job('w')",
+    );
+    assert!(capped);
+    assert_rejected("SELECT * FROM durable_jobs.claim_next_durable_job('w', NULL, 6)", "22023");
+}
+
+#[pg_test]
+fn claim_rejects_bad_input() {
+    enqueue("k", "{}");
+    for (arguments, sqlstate) in [
+        ("NULL", "22004"),
+        ("''", "22023"),
+        ("'bad worker'", "22023"),
+        ("'w', ARRAY[]::text[]", "22023"),
+        ("'w', ARRAY['default', NULL]", "22004"),
+        ("'w', ARRAY['no spaces please']", "22023"),
+        ("'w', NULL, 0", "22023"),
+        ("'w', NULL, -5", "22023"),
+        ("'w', NULL, 3601", "22023"),
+    ] {
+        assert_rejected(&format!("SELECT * FROM durable_jobs.claim_next_durable_job({arguments})"), sqlstate);
+    }
+}
+
+#[pg_test]
+fn an_expired_lease_is_reclaimed_with_a_new_token() {
+    let job_id = enqueue("k", "{}");
+    let (_, first_token) = claim("w1").unwrap();
+    assert!(claim("w2").is_none(), "a live lease is not reclaimed");
+    expire_lease(job_id);
+    let (again, second_token) = claim("w2").unwrap();
+    assert_eq!(again, job_id);
+    assert_ne!(first_token, second_token);
+    assert_eq!(job_field::<i32>(job_id, "attempt_count"), Some(2));
+    assert_eq!(job_field::<String>(job_id, "lease_owner").as_deref(), Some("w2"));
+    assert_eq!(complete(job_id, "w1", first_token), "stale");
+    assert_eq!(complete(job_id, "w2", second_token), "succeeded");
+}
+
+#[pg_test]
+fn an_expired_lease_without_attempts_left_fails_as_lease_expired() {
+    let job_id: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'default', now(), 1)");
+    let waiting = enqueue("k", "{}");
+    claim("w1").unwrap();
+    expire_lease(job_id);
+    let (next, _) = claim("w2").unwrap();
+    assert_eq!(next, waiting, "the exhausted job is not claimed again");
+    assert_eq!(job_state(job_id), "failed");
+    assert_eq!(job_field::<String>(job_id, "last_failure_code").as_deref(), Some("lease_expired"));
+    assert_eq!(job_field::<bool>(job_id, "payload IS NULL AND lease_token IS NULL AND finished_at IS NOT NULL"), Some(true));
+}
+
+#[pg_test]
+fn complete_marks_succeeded_and_clears_payload_and_lease() {
+    let job_id = enqueue("k", r#"{"secret": "x"}"#);
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(complete(job_id, "w", token), "succeeded");
+    assert_eq!(job_state(job_id), "succeeded");
+    assert_eq!(
+        job_field::<bool>(job_id, "payload IS NULL AND lease_owner IS NULL AND lease_token IS NULL
+                                   AND lease_expires_at IS NULL AND finished_at IS NOT NULL"),
+        Some(true)
+    );
+    assert_eq!(complete(job_id, "w", token), "stale", "a second completion is stale");
+}
+
+#[pg_test]
+fn complete_is_fenced_on_owner_token_and_expiry() {
+    let job_id = enqueue("k", "{}");
+    let (_, token) = claim("w").unwrap();
+    let before = jobs_fingerprint();
+    let other_token = one::<pgrx::Uuid>("SELECT gen_random_uuid()");
+    assert_eq!(complete(job_id, "someone-else", token), "stale");
+    assert_eq!(complete(job_id, "w", other_token), "stale");
+    assert_eq!(complete(job_id + 1000, "w", token), "stale");
+    assert_eq!(fail(job_id, "someone-else", token, "invalid_request"), "stale");
+    assert_eq!(jobs_fingerprint(), before, "stale calls change nothing");
+    expire_lease(job_id);
+    let expired = jobs_fingerprint();
+    assert_eq!(complete(job_id, "w", token), "stale");
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "stale");
+    assert_eq!(jobs_fingerprint(), expired);
+}
+
+#[pg_test]
+fn a_transient_failure_is_retried_with_backoff() {
+    let job_id = enqueue("k", r#"{"keep": "me"}"#);
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "retried");
+    assert_eq!(job_state(job_id), "available");
+    // First retry: base delay 1 s with jitter in [0.5, 1).
+    assert_eq!(
+        job_field::<bool>(job_id, "run_after BETWEEN clock_timestamp() + interval '0.4 seconds'
+                                                AND clock_timestamp() + interval '1 second'
+                                   AND payload = '{\"keep\": \"me\"}' AND lease_token IS NULL
+                                   AND finished_at IS NULL AND last_failure_code = 'target_unavailable'"),
+        Some(true)
+    );
+    assert!(claim("w").is_none(), "not claimable before its backoff ends");
+}
+
+#[pg_test]
+fn backoff_doubles_per_attempt_up_to_the_maximum() {
+    Spi::run("SET LOCAL durable_jobs.retry_base_delay = '10s'; SET LOCAL durable_jobs.retry_max_delay = '25s'")
+        .unwrap();
+    let job_id: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'default', now(), 10)");
+    let mut delays = Vec::new();
+    for _ in 0..3 {
+        Spi::run_with_args("UPDATE durable_jobs.durable_job SET run_after = now() WHERE job_id = $1", &[job_id.into()])
+            .unwrap();
+        let (_, token) = claim("w").unwrap();
+        assert_eq!(fail(job_id, "w", token, "unexpected_failure"), "retried");
+        delays.push(
+            job_field::<f64>(job_id, "extract(epoch FROM run_after - clock_timestamp())::float8").unwrap(),
+        );
+    }
+    // 10 s, 20 s, then capped at 25 s, each times a jitter factor in [0.5, 1).
+    assert!((4.9..10.0).contains(&delays[0]), "{delays:?}");
+    assert!((9.9..20.0).contains(&delays[1]), "{delays:?}");
+    assert!((12.4..25.0).contains(&delays[2]), "{delays:?}");
+}
+
+#[pg_test]
+fn the_last_attempt_fails_terminally_even_when_retryable() {
+    let job_id: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{\"p\": 1}', NULL, 'default', now(), 1)");
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "failed");
+    assert_eq!(job_state(job_id), "failed");
+    assert_eq!(job_field::<bool>(job_id, "payload IS NULL AND finished_at IS NOT NULL"), Some(true));
+}
+
+#[pg_test]
+fn terminal_codes_fail_at_once() {
+    for code in ["invalid_request", "integrity_violation", "target_rejected"] {
+        let job_id = enqueue("k", "{}");
+        let (_, token) = claim("w").unwrap();
+        assert_eq!(fail(job_id, "w", token, code), "failed", "{code}");
+        assert_eq!(job_field::<String>(job_id, "last_failure_code").as_deref(), Some(code));
+        assert_eq!(job_field::<i32>(job_id, "attempt_count"), Some(1));
+    }
+}
+
+#[pg_test]
+fn fail_rejects_bad_input() {
+    let job_id = enqueue("k", "{}");
+    let (_, token) = claim("w").unwrap();
+    for (code, sqlstate) in [
+        ("NULL", "22004"),
+        ("'no_such_code'", "22023"),
+        ("''", "22023"),
+        ("'lease_expired'", "22023"),
+        ("'TARGET_UNAVAILABLE'", "22023"),
+    ] {
+        assert_rejected(
+            &format!("SELECT durable_jobs.fail_durable_job({job_id}, 'w', '{token}', {code})"),
+            sqlstate,
+        );
+    }
+    for arguments in [format!("NULL, 'w', '{token}'"), format!("{job_id}, NULL, '{token}'"), format!("{job_id}, 'w', NULL")] {
+        assert_rejected(&format!("SELECT durable_jobs.complete_durable_job({arguments})"), "22004");
+        assert_rejected(&format!("SELECT durable_jobs.fail_durable_job({arguments}, 'invalid_request')"), "22004");
+        assert_rejected(&format!("SELECT durable_jobs.extend_durable_job_lease({arguments})"), "22004");
+    }
+    assert_eq!(job_state(job_id), "running");
+}
+
+#[pg_test]
+fn extend_moves_the_expiry_and_is_fenced() {
+    let job_id = enqueue("k", "{}");
+    let (_, token) = claim("w").unwrap();
+    let extended = Spi::get_one_with_args::<TimestampWithTimeZone>(
+        "SELECT durable_jobs.extend_durable_job_lease($1, 'w', $2, 300)",
+        &[job_id.into(), token.into()],
+    )
+    .unwrap()
+    .expect("a live lease is extended");
+    let recorded = Spi::get_one_with_args::<bool>(
+        "SELECT lease_expires_at = $2 AND $2 > clock_timestamp() + interval '299 seconds'
+         FROM durable_jobs.durable_job WHERE job_id = $1",
+        &[job_id.into(), extended.into()],
+    );
+    assert_eq!(recorded, Ok(Some(true)));
+    let stale = Spi::get_one_with_args::<TimestampWithTimeZone>(
+        "SELECT durable_jobs.extend_durable_job_lease($1, 'other', $2)",
+        &[job_id.into(), token.into()],
+    );
+    assert_eq!(stale, Ok(None));
+    assert_rejected(&format!("SELECT durable_jobs.extend_durable_job_lease({job_id}, 'w', '{token}', 0)"), "22023");
+    assert_rejected(&format!("SELECT durable_jobs.extend_durable_job_lease({job_id}, 'w', '{token}', 99999)"), "22023");
+    expire_lease(job_id);
+    let late = Spi::get_one_with_args::<TimestampWithTimeZone>(
+        "SELECT durable_jobs.extend_durable_job_lease($1, 'w', $2)",
+        &[job_id.into(), token.into()],
+    );
+    assert_eq!(late, Ok(None), "an expired lease cannot be revived");
+}
