@@ -12,7 +12,7 @@ fn enqueue(client: &mut Client, kind: &str, n: i64) -> Vec<i64> {
     let rows = client
         .query(
             "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('n', g))
-             FROM generate_series(1, $2) g",
+             FROM generate_series(1::bigint, $2::bigint) g",
             &[&kind, &n],
         )
         .expect("enqueue");

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every test of durable_jobs:
+#   1. the in-database #[pg_test] suites (pgrx-tests/), on a cluster cargo-pgrx manages;
+#   2. the end-to-end suites (tests/), each on a fresh cluster of its own with the extension
+#      installed as a user would install it.
+# Needs what scripts/install-prerequisites.sh installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+export PG_BIN
+PG_BIN=$("$PG_CONFIG" --bindir)
+
+if ! cargo pgrx --version >/dev/null 2>&1; then
+    echo "cargo-pgrx is missing: run scripts/install-prerequisites.sh first" >&2
+    exit 1
+fi
+
+# Postgres refuses to run as root; as root, the test clusters run as the postgres OS user.
+pgrx_test_args=()
+test_root=/var/tmp/durable_jobs_pgrx
+mkdir -p "$test_root"
+if [ "$(id -u)" -eq 0 ]; then
+    chown postgres: "$test_root"
+    pgrx_test_args=(--runas postgres --pgdata "$test_root/data")
+fi
+
+echo "== in-database suites (cargo pgrx test)"
+cargo pgrx test pg15 "${pgrx_test_args[@]}"
+
+echo "== installing the extension into $("$PG_CONFIG" --pkglibdir)"
+install_args=(--pg-config "$PG_CONFIG")
+[ "$(id -u)" -eq 0 ] || install_args+=(--sudo)
+cargo pgrx install "${install_args[@]}"
+
+echo "== end-to-end suites (tests/)"
+cargo test --manifest-path tests/Cargo.toml -- --test-threads=2
