@@ -1,7 +1,7 @@
 //! enqueue_durable_job: validated insert with an idempotency key that outlives the payload.
 
 use crate::arguments;
-use crate::jsonb_datum::JsonbDatum;
+use crate::sql_types::JsonbDatum;
 use crate::privilege::{as_extension_owner, caller};
 use pgrx::prelude::*;
 
@@ -36,6 +36,13 @@ fn enqueue_durable_job(
     max_attempts: default!(Option<i32>, "NULL"),
     priority: default!(Option<i32>, "0"),
 ) -> i64 {
+    if !crate::settings::INTAKE_ENABLED.get() {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "job intake is disabled (durable_jobs.intake_enabled = off)"
+        );
+    }
     let job_kind = arguments::name(job_kind, "job_kind");
     let payload = arguments::required(payload, "payload");
     let idempotency_key = arguments::idempotency_key(idempotency_key);

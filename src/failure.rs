@@ -39,6 +39,24 @@ impl FailureCode {
         matches!(self, FailureCode::TargetUnavailable | FailureCode::UnexpectedFailure)
     }
 
+    /// Classifies a handler's SQLSTATE (five characters) by its class, so that only the code,
+    /// never the error text, is recorded.
+    pub fn from_sqlstate(sqlstate: &str) -> FailureCode {
+        match sqlstate {
+            "55P03" | "57014" => FailureCode::TargetUnavailable,
+            "42501" => FailureCode::TargetRejected,
+            _ => match &sqlstate[..2.min(sqlstate.len())] {
+                "22" => FailureCode::InvalidRequest,
+                "23" => FailureCode::IntegrityViolation,
+                // Syntax or access rule violations and invalid authorization: a retry cannot
+                // succeed.
+                "42" | "28" => FailureCode::TargetRejected,
+                "40" | "53" | "08" => FailureCode::TargetUnavailable,
+                _ => FailureCode::UnexpectedFailure,
+            },
+        }
+    }
+
     /// Parses a code given to `fail_durable_job`; anything else is bad input (22023).
     pub fn from_caller(code: &str) -> FailureCode {
         match Self::ALL.iter().find(|c| c.as_str() == code) {

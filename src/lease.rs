@@ -7,7 +7,7 @@
 
 use crate::arguments;
 use crate::failure::FailureCode;
-use crate::jsonb_datum::JsonbDatum;
+use crate::sql_types::JsonbDatum;
 use crate::privilege::{as_extension_owner, caller};
 use crate::settings;
 use pgrx::datum::DatumWithOid;
@@ -46,6 +46,7 @@ const CLAIM_ONE: &str = "
                    AND lease_expires_at <= pg_catalog.clock_timestamp()
                    AND attempt_count < max_attempts))
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+          AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
         LIMIT 1
         FOR UPDATE SKIP LOCKED)
@@ -112,15 +113,18 @@ fn statement(template: &str) -> String {
 
 /// Runs a statement as the extension owner and returns its first row's first column, if any.
 fn first_value<T: FromDatum + IntoDatum>(template: &str, args: &[DatumWithOid]) -> Option<T> {
-    as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            let rows = client.update(statement(template).as_str(), None, args).expect(template);
-            if rows.is_empty() {
-                None
-            } else {
-                rows.first().get_one::<T>().expect(template)
-            }
-        })
+    as_extension_owner(|| first_value_of(&statement(template), args))
+}
+
+/// Runs a statement and returns its first row's first column; None when there is no row.
+pub fn first_value_of<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
+    Spi::connect_mut(|client| {
+        let rows = client.update(query, None, args).expect(query);
+        if rows.is_empty() {
+            None
+        } else {
+            rows.first().get_one::<T>().expect(query)
+        }
     })
 }
 
@@ -146,6 +150,82 @@ impl LeaseHolder {
 }
 
 
+/// One claimed job, as the claim returns it.
+pub struct ClaimedJob {
+    pub job_id: i64,
+    pub lease_token: Uuid,
+    pub lease_expires_at: TimestampWithTimeZone,
+    pub job_kind: String,
+    pub payload: JsonbDatum,
+    pub attempt_count: i32,
+    pub max_attempts: i32,
+}
+
+/// The claim shared by the SQL API and the background worker, which passes `handlers_only` to
+/// take only kinds with a registered handler. Arguments are already validated.
+pub fn claim_job(
+    worker_id: &str,
+    queue_names: Option<&[String]>,
+    lease_seconds: i32,
+    handlers_only: bool,
+) -> Option<ClaimedJob> {
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            let queues = || -> DatumWithOid {
+                match queue_names {
+                    Some(names) => names.to_vec().into(),
+                    None => DatumWithOid::null::<Vec<String>>(),
+                }
+            };
+            client
+                .update(statement(EXPIRE_EXHAUSTED).as_str(), None, &[queues()])
+                .expect("expire exhausted leases");
+            let args =
+                [queues(), worker_id.into(), f64::from(lease_seconds).into(), handlers_only.into()];
+            let rows = client.update(CLAIM_ONE, Some(1), &args).expect("claim a job");
+            if rows.is_empty() {
+                return None;
+            }
+            let row = rows.first();
+            Some(ClaimedJob {
+                job_id: row.get(1).unwrap().unwrap(),
+                lease_token: row.get(2).unwrap().unwrap(),
+                lease_expires_at: row.get(3).unwrap().unwrap(),
+                job_kind: row.get(4).unwrap().unwrap(),
+                payload: row.get(5).unwrap().unwrap(),
+                attempt_count: row.get(6).unwrap().unwrap(),
+                max_attempts: row.get(7).unwrap().unwrap(),
+            })
+        })
+    })
+}
+
+/// Fenced completion: `succeeded` or `stale`.
+pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> &'static str {
+    match first_value::<i64>(COMPLETE, &[job_id.into(), worker_id.into(), lease_token.into()]) {
+        Some(_) => "succeeded",
+        None => "stale",
+    }
+}
+
+/// Fenced failure: `retried`, `failed` or `stale`.
+pub fn fail_job(job_id: i64, worker_id: &str, lease_token: Uuid, code: FailureCode) -> &'static str {
+    let args = [
+        job_id.into(),
+        worker_id.into(),
+        lease_token.into(),
+        code.is_retryable().into(),
+        settings::RETRY_BASE_DELAY.get().into(),
+        settings::RETRY_MAX_DELAY.get().into(),
+        code.as_str().into(),
+    ];
+    match first_value::<String>(FAIL, &args).as_deref() {
+        Some("available") => "retried",
+        Some(_) => "failed",
+        None => "stale",
+    }
+}
+
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn claim_next_durable_job(
@@ -167,41 +247,18 @@ fn claim_next_durable_job(
     let worker_id = arguments::name(worker_id, "worker_id");
     let queue_names = arguments::queue_names(queue_names);
     let lease_seconds = arguments::lease_seconds(lease_seconds);
-
-    let claimed = as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            let queues = || -> DatumWithOid {
-                match &queue_names {
-                    Some(names) => names.clone().into(),
-                    None => DatumWithOid::null::<Vec<String>>(),
-                }
-            };
-            client
-                .update(statement(EXPIRE_EXHAUSTED).as_str(), None, &[queues()])
-                .expect("expire exhausted leases");
-            let rows = client
-                .update(
-                    CLAIM_ONE,
-                    Some(1),
-                    &[queues(), worker_id.as_str().into(), f64::from(lease_seconds).into()],
-                )
-                .expect("claim a job");
-            if rows.is_empty() {
-                return None;
-            }
-            let row = rows.first();
-            Some((
-                row.get::<i64>(1).unwrap().unwrap(),
-                row.get::<Uuid>(2).unwrap().unwrap(),
-                row.get::<TimestampWithTimeZone>(3).unwrap().unwrap(),
-                row.get::<String>(4).unwrap().unwrap(),
-                row.get::<JsonbDatum>(5).unwrap().unwrap(),
-                row.get::<i32>(6).unwrap().unwrap(),
-                row.get::<i32>(7).unwrap().unwrap(),
-            ))
-        })
-    });
-    TableIterator::new(claimed)
+    let claimed = claim_job(&worker_id, queue_names.as_deref(), lease_seconds, false);
+    TableIterator::new(claimed.map(|job| {
+        (
+            job.job_id,
+            job.lease_token,
+            job.lease_expires_at,
+            job.job_kind,
+            job.payload,
+            job.attempt_count,
+            job.max_attempts,
+        )
+    }))
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -212,10 +269,7 @@ fn complete_durable_job(
     lease_token: Option<Uuid>,
 ) -> &'static str {
     let holder = LeaseHolder::new(job_id, worker_id, lease_token);
-    match first_value::<i64>(COMPLETE, &holder.args()) {
-        Some(_) => "succeeded",
-        None => "stale",
-    }
+    complete_job(holder.job_id, &holder.worker_id, holder.lease_token)
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -228,21 +282,7 @@ fn fail_durable_job(
 ) -> &'static str {
     let holder = LeaseHolder::new(job_id, worker_id, lease_token);
     let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
-    let [job, owner, token] = holder.args();
-    let args = [
-        job,
-        owner,
-        token,
-        code.is_retryable().into(),
-        settings::RETRY_BASE_DELAY.get().into(),
-        settings::RETRY_MAX_DELAY.get().into(),
-        code.as_str().into(),
-    ];
-    match first_value::<String>(FAIL, &args).as_deref() {
-        Some("available") => "retried",
-        Some(_) => "failed",
-        None => "stale",
-    }
+    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code)
 }
 
 #[pg_extern(volatile, parallel_unsafe)]

@@ -1,30 +1,43 @@
 //! durable_jobs: a durable, lease-fenced job queue inside PostgreSQL.
 //!
-//! Each concern has its own module: `settings` (GUCs), `failure` (stable failure codes and retry
-//! backoff), `arguments` (validation of caller input), `privilege` (who the caller is, and running
-//! our own SQL as the extension owner), `jsonb_datum` (jsonb passed through untouched), `enqueue`
-//! and `lease` (claim, complete, fail, extend, cancel: the fenced state machine).
+//! Each concern has its own module: `settings` (GUCs), `failure` (stable failure codes and their
+//! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
+//! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
+//! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
+//! machine), `handlers` (registration), `worker` (the background worker loop), `execution`
+//! (running one handler), `metrics`.
 
 use pgrx::prelude::*;
 
 mod arguments;
 mod enqueue;
+mod execution;
 mod failure;
-mod jsonb_datum;
+mod handlers;
 mod lease;
+mod metrics;
 mod privilege;
 mod settings;
+mod sql_types;
+mod worker;
 
 ::pgrx::pg_module_magic!();
 
 // The job table, its constraints and trigger come first; privileges are locked down last, after
 // pgrx has created every function (CREATE FUNCTION grants EXECUTE to PUBLIC by default).
 extension_sql_file!("../sql/durable_jobs_schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/durable_jobs_handlers.sql", name = "handlers", requires = ["schema"]);
 extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     settings::register();
+    // Shared memory, postmaster settings and static workers exist only when preloaded.
+    if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        settings::register_postmaster_settings();
+        metrics::init_shared_memory();
+        worker::register_workers();
+    }
 }
 
 // pgrx runs #[pg_test] functions from schema `tests`, and only from the module that is that
@@ -39,6 +52,7 @@ mod tests {
     include!("../pgrx-tests/lease_tests.rs");
     include!("../pgrx-tests/cancel_tests.rs");
     include!("../pgrx-tests/schema_tests.rs");
+    include!("../pgrx-tests/handler_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.

@@ -59,3 +59,25 @@ pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
     unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };
     result
 }
+
+/// Runs `f` with `search_path = pg_catalog, pg_temp`, as a function's `SET search_path` clause
+/// would. The background worker calls our statements directly, not through their SQL
+/// functions, and its session search_path is the handlers' (usually `"$user", public`).
+pub fn with_pinned_search_path<R>(f: impl FnOnce() -> R) -> R {
+    unsafe {
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            c"pg_catalog, pg_temp".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let result = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        result
+    }
+}

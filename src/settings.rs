@@ -2,6 +2,7 @@
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use pgrx::pg_sys;
+use std::ffi::CString;
 
 /// Lease length in seconds when a claim or extension names none.
 pub static LEASE_DURATION: GucSetting<i32> = GucSetting::<i32>::new(60);
@@ -15,6 +16,18 @@ pub static RETRY_BASE_DELAY: GucSetting<i32> = GucSetting::<i32>::new(1000);
 pub static RETRY_MAX_DELAY: GucSetting<i32> = GucSetting::<i32>::new(3600);
 /// The largest payload enqueue accepts, in kilobytes.
 pub static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024);
+
+/// Whether the background workers claim jobs.
+pub static WORKER_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// How long an idle worker sleeps before polling again, in milliseconds.
+pub static POLL_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1000);
+/// Whether enqueue accepts new jobs.
+pub static INTAKE_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// How many background workers the postmaster starts (restart to change).
+pub static WORKER_COUNT: GucSetting<i32> = GucSetting::<i32>::new(1);
+/// The database the background workers connect to (restart to change).
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
 /// Upper bound of `max_attempts`, for the GUC and for each job.
 pub const MAX_ATTEMPTS_LIMIT: i32 = 1000;
@@ -84,7 +97,63 @@ pub fn register() {
         GucContext::Suset,
         GucFlags::UNIT_KB,
     );
+    GucRegistry::define_bool_guc(
+        c"durable_jobs.worker_enabled",
+        c"Whether the durable_jobs background workers claim and run jobs.",
+        c"Off by default. Reloadable: workers notice a change at their next poll.",
+        &WORKER_ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"durable_jobs.poll_interval",
+        c"How long an idle background worker sleeps before polling again.",
+        c"A worker that found a job polls again at once.",
+        &POLL_INTERVAL,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_bool_guc(
+        c"durable_jobs.intake_enabled",
+        c"Whether enqueue accepts new jobs.",
+        c"Turn off to stop intake while claims and completions go on.",
+        &INTAKE_ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     unsafe { pg_sys::MarkGUCPrefixReserved(c"durable_jobs".as_ptr()) };
+}
+
+/// Settings read only at server start; Postgres allows them only while preloading.
+pub fn register_postmaster_settings() {
+    GucRegistry::define_int_guc(
+        c"durable_jobs.worker_count",
+        c"How many durable_jobs background workers to start.",
+        c"Each takes one of max_worker_processes. Needs a restart.",
+        &WORKER_COUNT,
+        0,
+        64,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"durable_jobs.database",
+        c"The database the durable_jobs background workers connect to.",
+        c"Needs a restart.",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+}
+
+pub fn database() -> String {
+    DATABASE.get().map(|d| d.to_string_lossy().into_owned()).unwrap_or_else(|| "postgres".into())
+}
+
+pub fn poll_interval() -> std::time::Duration {
+    std::time::Duration::from_millis(POLL_INTERVAL.get() as u64)
 }
 
 /// The default lease in seconds, never above the configured maximum.

@@ -1,5 +1,8 @@
-//! A jsonb value passed through untouched. pgrx's `JsonB` parses into serde_json and back, which
-//! costs time and can round numbers; a job queue must hand the payload on exactly as given.
+//! SQL types pgrx has no fitting Rust type for.
+//!
+//! `JsonbDatum`: a jsonb value passed through untouched. pgrx's `JsonB` parses into serde_json
+//! and back, which costs time and can round numbers; a job queue must hand the payload on
+//! exactly as given. `Regprocedure`: a routine's oid, declared in SQL as `regprocedure`.
 
 use pgrx::prelude::*;
 use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
@@ -64,3 +67,34 @@ unsafe impl BoxRet for JsonbDatum {
 }
 
 impl_sql_translatable!(JsonbDatum, "jsonb");
+
+#[derive(Clone, Copy)]
+pub struct Regprocedure(pub pg_sys::Oid);
+
+impl FromDatum for Regprocedure {
+    unsafe fn from_polymorphic_datum(
+        datum: pg_sys::Datum,
+        is_null: bool,
+        typoid: pg_sys::Oid,
+    ) -> Option<Self> {
+        unsafe { pg_sys::Oid::from_polymorphic_datum(datum, is_null, typoid) }.map(Regprocedure)
+    }
+}
+
+impl IntoDatum for Regprocedure {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        self.0.into_datum()
+    }
+
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::REGPROCEDUREOID
+    }
+}
+
+unsafe impl<'fcx> ArgAbi<'fcx> for Regprocedure {
+    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+        unsafe { arg.unbox_arg_using_from_datum().expect("a non-NULL regprocedure argument") }
+    }
+}
+
+impl_sql_translatable!(Regprocedure, "regprocedure");

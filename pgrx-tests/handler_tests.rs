@@ -1,0 +1,154 @@
+// Handler registration, failure classification and metrics.
+
+fn create_handlers() {
+    Spi::run(
+        "CREATE FUNCTION public.dj_ok(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE PROCEDURE public.dj_proc(payload jsonb) LANGUAGE sql AS 'SELECT 1';
+         CREATE FUNCTION public.dj_two(a jsonb, b jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE FUNCTION public.dj_text(a text) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE AGGREGATE public.dj_agg(jsonb) (SFUNC = jsonb_concat, STYPE = jsonb);",
+    )
+    .unwrap();
+}
+
+fn registered_handler(job_kind: &str) -> Option<String> {
+    Spi::get_one_with_args::<String>(
+        "SELECT (SELECT handler::text FROM durable_jobs.durable_job_handler WHERE job_kind = $1)",
+        &[job_kind.into()],
+    )
+    .unwrap()
+}
+
+#[pg_test]
+fn functions_and_procedures_with_one_jsonb_argument_register() {
+    create_handlers();
+    Spi::run("SELECT durable_jobs.register_durable_job_handler('mail', 'public.dj_ok(jsonb)')").unwrap();
+    Spi::run("SELECT durable_jobs.register_durable_job_handler('load', 'public.dj_proc(jsonb)')").unwrap();
+    assert_eq!(registered_handler("mail").as_deref(), Some("dj_ok(jsonb)"));
+    assert_eq!(registered_handler("load").as_deref(), Some("dj_proc(jsonb)"));
+    // Registering again replaces the handler.
+    Spi::run("SELECT durable_jobs.register_durable_job_handler('mail', 'public.dj_proc(jsonb)')").unwrap();
+    assert_eq!(registered_handler("mail").as_deref(), Some("dj_proc(jsonb)"));
+    assert!(one::<bool>("SELECT durable_jobs.unregister_durable_job_handler('mail')"));
+    assert!(!one::<bool>("SELECT durable_jobs.unregister_durable_job_handler('mail')"));
+    assert_eq!(registered_handler("mail"), None);
+}
+
+#[pg_test]
+fn handlers_of_the_wrong_shape_are_rejected() {
+    create_handlers();
+    for (arguments, sqlstate) in [
+        ("'k', 'public.dj_two(jsonb, jsonb)'", "22023"),
+        ("'k', 'public.dj_text(text)'", "22023"),
+        ("'k', 'public.dj_agg(jsonb)'", "22023"),
+        ("'k', 'pg_catalog.now()'", "22023"),
+        ("'k', 12345678::oid::regprocedure", "22023"),
+        ("NULL, 'public.dj_ok(jsonb)'", "22004"),
+        ("'k', NULL", "22004"),
+        ("'bad kind', 'public.dj_ok(jsonb)'", "22023"),
+    ] {
+        assert_rejected(&format!("SELECT durable_jobs.register_durable_job_handler({arguments})"), sqlstate);
+    }
+    assert_rejected("SELECT durable_jobs.unregister_durable_job_handler(NULL)", "22004");
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_handler"), 0);
+}
+
+#[pg_test]
+fn registering_needs_execute_on_the_handler_and_ownership_to_replace() {
+    create_handlers();
+    Spi::run(
+        "CREATE ROLE dj_test_registrar; CREATE ROLE dj_test_rival;
+         REVOKE EXECUTE ON FUNCTION public.dj_ok(jsonb) FROM PUBLIC;
+         GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_test_registrar, dj_test_rival;
+         GRANT EXECUTE ON FUNCTION durable_jobs.register_durable_job_handler(text, regprocedure),
+                                   durable_jobs.unregister_durable_job_handler(text)
+             TO dj_test_registrar, dj_test_rival;
+         SET LOCAL ROLE dj_test_registrar",
+    )
+    .unwrap();
+    let refused = sqlstate_of("SELECT durable_jobs.register_durable_job_handler('k', 'public.dj_ok(jsonb)')");
+    assert_eq!(refused.as_deref(), Some("42501"), "no EXECUTE on the handler");
+    Spi::run("SELECT durable_jobs.register_durable_job_handler('k', 'public.dj_proc(jsonb)')").unwrap();
+    Spi::run("SET LOCAL ROLE dj_test_rival").unwrap();
+    for statement in [
+        "SELECT durable_jobs.register_durable_job_handler('k', 'public.dj_proc(jsonb)')",
+        "SELECT durable_jobs.unregister_durable_job_handler('k')",
+    ] {
+        assert_eq!(sqlstate_of(statement).as_deref(), Some("42501"), "{statement}");
+    }
+    Spi::run("RESET ROLE").unwrap();
+    let registration = Spi::get_two::<String, String>(
+        "SELECT handler::text, registered_by::text FROM durable_jobs.durable_job_handler WHERE job_kind = 'k'",
+    );
+    assert_eq!(registration, Ok((Some("dj_proc(jsonb)".into()), Some("dj_test_registrar".into()))));
+}
+
+#[pg_test]
+fn sqlstates_map_to_stable_failure_codes() {
+    use crate::failure::FailureCode::*;
+    for (sqlstate, expected) in [
+        ("22012", InvalidRequest),
+        ("22P02", InvalidRequest),
+        ("23505", IntegrityViolation),
+        ("23514", IntegrityViolation),
+        ("42P01", TargetRejected),
+        ("42501", TargetRejected),
+        ("28000", TargetRejected),
+        ("40001", TargetUnavailable),
+        ("40P01", TargetUnavailable),
+        ("53100", TargetUnavailable),
+        ("55P03", TargetUnavailable),
+        ("57014", TargetUnavailable),
+        ("08006", TargetUnavailable),
+        ("P0001", UnexpectedFailure),
+        ("XX000", UnexpectedFailure),
+        ("55000", UnexpectedFailure),
+    ] {
+        assert_eq!(crate::failure::FailureCode::from_sqlstate(sqlstate), expected, "{sqlstate}");
+    }
+    assert!(TargetUnavailable.is_retryable() && UnexpectedFailure.is_retryable());
+    assert!(!InvalidRequest.is_retryable() && !IntegrityViolation.is_retryable());
+    assert!(!TargetRejected.is_retryable() && !LeaseExpired.is_retryable());
+}
+
+#[pg_test]
+fn a_caught_error_yields_its_sqlstate() {
+    // The worker reads SQLSTATEs from caught errors; a standard code must survive the round trip.
+    let caught = PgTryBuilder::new(|| {
+        Spi::run("SELECT 1 / 0").unwrap();
+        String::new()
+    })
+    .catch_others(|error| match error {
+        pg_sys::panic::CaughtError::PostgresError(report) => {
+            crate::execution::sqlstate_text(report.sql_error_code() as i32)
+        }
+        _ => "not a postgres error".into(),
+    })
+    .execute();
+    assert_eq!(caught, "22012");
+}
+
+#[pg_test]
+fn metrics_have_a_fixed_set_of_names() {
+    enqueue("k", r#"{"secret": "never in metrics"}"#);
+    let running = enqueue("k", "{}");
+    Spi::run_with_args("UPDATE durable_jobs.durable_job SET priority = 9 WHERE job_id = $1", &[running.into()]).unwrap();
+    claim("w").unwrap();
+    let metrics: Vec<(String, i64)> = Spi::connect(|client| {
+        client
+            .select("SELECT metric_name, metric_value FROM durable_jobs.durable_job_metrics()", None, &[])
+            .unwrap()
+            .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
+            .collect()
+    });
+    let names: Vec<&str> = metrics.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "idle_polls", "claimed", "succeeded", "retried", "failed", "stale", "jobs_available",
+            "jobs_running", "jobs_succeeded", "jobs_failed", "jobs_cancelled"
+        ]
+    );
+    let value = |name: &str| metrics.iter().find(|(n, _)| n == name).unwrap().1;
+    assert_eq!((value("jobs_available"), value("jobs_running"), value("jobs_succeeded")), (1, 1, 0));
+}

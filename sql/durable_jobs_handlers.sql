@@ -1,0 +1,12 @@
+-- Handlers: the SQL function or procedure the background worker runs for each job kind.
+CREATE TABLE durable_jobs.durable_job_handler (
+    job_kind      pg_catalog.text PRIMARY KEY,
+    handler       pg_catalog.regprocedure NOT NULL,
+    registered_by pg_catalog.name NOT NULL,
+    registered_at pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    CONSTRAINT durable_job_handler_kind_not_empty CHECK (job_kind <> '')
+);
+
+COMMENT ON TABLE durable_jobs.durable_job_handler IS
+    'Job kinds the durable_jobs background worker runs, with their handlers. '
+    'Write through register_durable_job_handler / unregister_durable_job_handler.';

@@ -1,0 +1,111 @@
+//! Handler registration: which SQL function or procedure the background worker runs for a kind.
+//!
+//! A handler takes exactly one jsonb argument, the job's payload. It runs as the role that
+//! enqueued the job, so registering grants nobody new rights; still, the registering role must
+//! itself be allowed to execute the handler, and only the role that registered a kind (or roles
+//! with its privileges) may replace or remove that registration.
+
+use crate::arguments;
+use crate::lease::first_value_of;
+use crate::privilege::{as_extension_owner, caller, Caller};
+use crate::sql_types::Regprocedure;
+use pgrx::prelude::*;
+
+/// (prokind, pronargs, first argument is jsonb, caller may execute) of a routine.
+const DESCRIBE_ROUTINE: &str = "
+    SELECT p.prokind::pg_catalog.text, p.pronargs::pg_catalog.int4,
+           p.pronargs >= 1 AND p.proargtypes[0] = 'pg_catalog.jsonb'::pg_catalog.regtype,
+           pg_catalog.has_function_privilege($2, p.oid, 'EXECUTE')
+    FROM pg_catalog.pg_proc p WHERE p.oid = $1";
+
+/// Whether the caller may replace or remove the registration of a kind; NULL when there is none.
+const MAY_CHANGE_REGISTRATION: &str = "
+    SELECT $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                         WHERE r.rolname = h.registered_by
+                           AND pg_catalog.pg_has_role($2, r.oid, 'USAGE'))
+    FROM durable_jobs.durable_job_handler h WHERE h.job_kind = $1
+    FOR UPDATE";
+
+const UPSERT_HANDLER: &str = "
+    INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+    VALUES ($1, $2::pg_catalog.oid::pg_catalog.regprocedure, $3::pg_catalog.name)
+    ON CONFLICT (job_kind) DO UPDATE
+    SET handler = excluded.handler, registered_by = excluded.registered_by,
+        registered_at = pg_catalog.now()";
+
+fn refuse_foreign_registration(job_kind: &str, caller: &Caller) -> bool {
+    let allowed = first_value_of::<bool>(
+        MAY_CHANGE_REGISTRATION,
+        &[job_kind.into(), caller.role_oid.into(), caller.is_superuser.into()],
+    );
+    if allowed == Some(false) {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "permission denied to change the handler another role registered for this job_kind"
+        );
+    }
+    allowed.is_some()
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regprocedure>) {
+    let job_kind = arguments::name(job_kind, "job_kind");
+    let handler = arguments::required(handler, "handler").0;
+    let caller = caller();
+    let described = Spi::connect(|client| {
+        let rows = client
+            .select(DESCRIBE_ROUTINE, Some(1), &[handler.into(), caller.role_oid.into()])
+            .expect("describe handler");
+        if rows.is_empty() {
+            return None;
+        }
+        let row = rows.first();
+        Some((
+            row.get::<String>(1).unwrap().unwrap(),
+            row.get::<i32>(2).unwrap().unwrap(),
+            row.get::<bool>(3).unwrap().unwrap(),
+            row.get::<bool>(4).unwrap().unwrap(),
+        ))
+    });
+    let Some((kind, arg_count, takes_jsonb, may_execute)) = described else {
+        arguments::invalid("handler does not exist");
+    };
+    if !matches!(kind.as_str(), "f" | "p") || arg_count != 1 || !takes_jsonb {
+        arguments::invalid("handler must be a function or procedure taking exactly one jsonb argument");
+    }
+    if !may_execute {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "permission denied: the registering role must be allowed to execute the handler"
+        );
+    }
+    as_extension_owner(|| {
+        refuse_foreign_registration(&job_kind, &caller);
+        Spi::run_with_args(
+            UPSERT_HANDLER,
+            &[job_kind.as_str().into(), handler.into(), caller.role_name.as_str().into()],
+        )
+        .expect("register handler");
+    });
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
+    let job_kind = arguments::name(job_kind, "job_kind");
+    let caller = caller();
+    as_extension_owner(|| {
+        if !refuse_foreign_registration(&job_kind, &caller) {
+            return false;
+        }
+        Spi::run_with_args(
+            "DELETE FROM durable_jobs.durable_job_handler WHERE job_kind = $1",
+            &[job_kind.as_str().into()],
+        )
+        .expect("unregister handler");
+        true
+    })
+}

@@ -1,0 +1,103 @@
+//! Metrics: worker counters in shared memory plus job counts per state, under a fixed set of
+//! names. Nothing here ever carries a payload, key, id, role, SQL or error text.
+
+use crate::privilege::as_extension_owner;
+use pgrx::prelude::*;
+use pgrx::{PGRXSharedMemory, PgAtomic};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+#[derive(Clone, Copy)]
+pub enum Counter {
+    IdlePolls,
+    Claimed,
+    Succeeded,
+    Retried,
+    Failed,
+    Stale,
+}
+
+impl Counter {
+    const ALL: [Counter; 6] = [
+        Counter::IdlePolls,
+        Counter::Claimed,
+        Counter::Succeeded,
+        Counter::Retried,
+        Counter::Failed,
+        Counter::Stale,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Counter::IdlePolls => "idle_polls",
+            Counter::Claimed => "claimed",
+            Counter::Succeeded => "succeeded",
+            Counter::Retried => "retried",
+            Counter::Failed => "failed",
+            Counter::Stale => "stale",
+        }
+    }
+
+    /// The counter for what a fenced complete or fail answered.
+    pub fn for_outcome(outcome: &str) -> Counter {
+        match outcome {
+            "succeeded" => Counter::Succeeded,
+            "retried" => Counter::Retried,
+            "failed" => Counter::Failed,
+            _ => Counter::Stale,
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct WorkerCounters([AtomicU64; 6]);
+
+unsafe impl PGRXSharedMemory for WorkerCounters {}
+
+static COUNTERS: PgAtomic<WorkerCounters> =
+    unsafe { PgAtomic::new(c"durable_jobs_worker_counters") };
+
+/// Set in the postmaster while preloading and inherited by every backend it forks; without
+/// preloading there is no shared memory and no worker, so the counters read zero.
+static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
+
+pub fn init_shared_memory() {
+    pgrx::pg_shmem_init!(COUNTERS);
+    SHARED_MEMORY.store(true, Ordering::Relaxed);
+}
+
+pub fn count(counter: Counter) {
+    if SHARED_MEMORY.load(Ordering::Relaxed) {
+        COUNTERS.get().0[counter as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn counter_value(counter: Counter) -> i64 {
+    if SHARED_MEMORY.load(Ordering::Relaxed) {
+        COUNTERS.get().0[counter as usize].load(Ordering::Relaxed) as i64
+    } else {
+        0
+    }
+}
+
+const JOBS_PER_STATE: &str = "
+    SELECT 'jobs_' || s.state, (SELECT count(*) FROM durable_jobs.durable_job j
+                                WHERE j.job_state = s.state)
+    FROM pg_catalog.unnest(ARRAY['available', 'running', 'succeeded', 'failed', 'cancelled'])
+         WITH ORDINALITY AS s(state, position)
+    ORDER BY s.position";
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn durable_job_metrics(
+) -> TableIterator<'static, (name!(metric_name, String), name!(metric_value, i64))> {
+    let mut metrics: Vec<(String, i64)> =
+        Counter::ALL.iter().map(|c| (c.name().to_string(), counter_value(*c))).collect();
+    as_extension_owner(|| {
+        Spi::connect(|client| {
+            for row in client.select(JOBS_PER_STATE, None, &[]).expect("count jobs per state") {
+                metrics.push((row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()));
+            }
+        })
+    });
+    TableIterator::new(metrics)
+}

@@ -1,0 +1,93 @@
+//! The background worker: poll, claim one job whose kind has a handler, run it, repeat.
+//!
+//! Transaction 1 claims and commits the lease, so a crash after it loses nothing: the job is
+//! claimed again once the lease expires. Transaction 2 runs the handler (see `execution`).
+
+use crate::execution;
+use crate::lease;
+use crate::metrics::{self, Counter};
+use crate::privilege::with_pinned_search_path;
+use crate::settings;
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::time::Duration;
+
+pub const WORKER_TYPE: &str = "durable_jobs worker";
+
+/// Registers `durable_jobs.worker_count` workers; called from _PG_init while preloading.
+pub fn register_workers() {
+    for number in 1..=settings::WORKER_COUNT.get() {
+        BackgroundWorkerBuilder::new(&format!("{WORKER_TYPE} {number}"))
+            .set_type(WORKER_TYPE)
+            .set_library("durable_jobs")
+            .set_function("durable_jobs_worker_main")
+            .set_argument(Some(pg_sys::Datum::from(number)))
+            .enable_spi_access()
+            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            .set_restart_time(Some(Duration::from_secs(5)))
+            .load();
+    }
+}
+
+unsafe extern "C-unwind" {
+    // PostgreSQL's own SIGTERM handler: it makes the next CHECK_FOR_INTERRUPTS exit, also in
+    // the middle of a handler's statement, where pgrx's flag-only handler would wait for it.
+    fn die(signal: std::ffi::c_int);
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
+    let number = argument.value() as i32;
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
+    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), None);
+    log!("{WORKER_TYPE} {number} started");
+
+    let worker_id = format!("durable_jobs-worker-{number}");
+    loop {
+        pg_sys::check_for_interrupts!();
+        if BackgroundWorker::sighup_received() {
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+        let found_job = settings::WORKER_ENABLED.get() && poll_once(&worker_id);
+        if !found_job && !BackgroundWorker::wait_latch(Some(settings::poll_interval())) {
+            break;
+        }
+    }
+    log!("{WORKER_TYPE} {number} stopped");
+}
+
+/// One poll: claim at most one job and run it. Returns whether a job was claimed.
+fn poll_once(worker_id: &str) -> bool {
+    let claimed = BackgroundWorker::transaction(|| {
+        if !extension_installed() {
+            return None;
+        }
+        let lease_seconds = settings::default_lease_seconds();
+        let job = with_pinned_search_path(|| lease::claim_job(worker_id, None, lease_seconds, true));
+        Some(job.map(|job| (job.job_id, job.lease_token)))
+    });
+    match claimed {
+        // Quietly wait for CREATE EXTENSION.
+        None => false,
+        Some(None) => {
+            metrics::count(Counter::IdlePolls);
+            false
+        }
+        Some(Some((job_id, lease_token))) => {
+            metrics::count(Counter::Claimed);
+            BackgroundWorker::transaction(|| execution::run_job(job_id, worker_id, lease_token));
+            true
+        }
+    }
+}
+
+fn extension_installed() -> bool {
+    Spi::get_one::<bool>(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs')",
+    )
+    .unwrap_or(Some(false))
+    .unwrap_or(false)
+}
