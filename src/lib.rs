@@ -38,6 +38,7 @@ pub extern "C-unwind" fn _PG_init() {
         metrics::init_shared_memory();
         worker::register_workers();
     }
+    settings::reserve_prefix();
 }
 
 // pgrx runs #[pg_test] functions from schema `tests`, and only from the module that is that

@@ -123,6 +123,11 @@ pub fn register() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+}
+
+/// After every setting is defined: any other `durable_jobs.*` name is then an error. Calling
+/// it earlier would drop the placeholders of settings defined later, with their values.
+pub fn reserve_prefix() {
     unsafe { pg_sys::MarkGUCPrefixReserved(c"durable_jobs".as_ptr()) };
 }
 

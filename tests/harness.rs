@@ -51,6 +51,13 @@ fn free_port() -> u16 {
 impl Cluster {
     /// A new cluster with `extra_conf` appended to postgresql.conf and the extension created.
     pub fn start(extra_conf: &str) -> Cluster {
+        let cluster = Cluster::start_without_extension(extra_conf);
+        cluster.connect().batch_execute("CREATE EXTENSION durable_jobs").expect("create extension");
+        cluster
+    }
+
+    /// A new, running cluster with `extra_conf` appended to postgresql.conf.
+    pub fn start_without_extension(extra_conf: &str) -> Cluster {
         let bin_dir = PathBuf::from(
             std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
         );
@@ -86,8 +93,6 @@ impl Cluster {
         existing.push_str(&conf);
         std::fs::write(&conf_path, existing).expect("write postgresql.conf");
         cluster.pg_ctl(&["start", "-w", "-t", "60"]);
-
-        cluster.connect().batch_execute("CREATE EXTENSION durable_jobs").expect("create extension");
         cluster
     }
 
@@ -96,6 +101,15 @@ impl Cluster {
         command.arg("-D").arg(&self.data_dir).arg("-l").arg(self.data_dir.join("server.log"));
         command.args(args);
         run(command, &format!("pg_ctl {args:?}"));
+    }
+
+    /// Appends lines to postgresql.conf (they apply at the next start or reload).
+    pub fn append_conf(&self, lines: &str) {
+        let path = self.data_dir.join("postgresql.conf");
+        let mut conf = std::fs::read_to_string(&path).expect("read postgresql.conf");
+        conf.push_str(lines);
+        conf.push('\n');
+        std::fs::write(&path, conf).expect("write postgresql.conf");
     }
 
     pub fn connection_string(&self) -> String {
@@ -131,4 +145,62 @@ impl Drop for Cluster {
 /// The SQLSTATE of a failed statement, for assertions on bad input.
 pub fn sqlstate(error: &postgres::Error) -> String {
     error.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {error}"))
+}
+
+/// postgresql.conf lines for a cluster whose background worker runs jobs quickly.
+pub const WORKER_CONF: &str = "shared_preload_libraries = 'durable_jobs'\n\
+                               durable_jobs.worker_enabled = on\n\
+                               durable_jobs.poll_interval = '50ms'\n\
+                               durable_jobs.retry_base_delay = '100ms'\n";
+
+/// Polls `condition` every 100 ms until it holds; panics with `what` after `timeout`.
+pub fn wait_until(timeout: std::time::Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !condition() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+impl Cluster {
+    /// Connects, retrying while the server restarts (after a crash, for instance).
+    pub fn connect_when_ready(&self, timeout: std::time::Duration) -> Client {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match Client::connect(&self.connection_string(), NoTls) {
+                Ok(client) => return client,
+                Err(error) if std::time::Instant::now() < deadline => {
+                    let _ = error;
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(error) => panic!("server did not come back: {error}"),
+            }
+        }
+    }
+
+    /// Process ids of the running durable_jobs background workers.
+    pub fn worker_pids(&self, client: &mut Client) -> Vec<i32> {
+        client
+            .query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'", &[])
+            .expect("list workers")
+            .iter()
+            .map(|row| row.get(0))
+            .collect()
+    }
+}
+
+/// Count of rows a query returns as its single bigint.
+pub fn count(client: &mut Client, query: &str) -> i64 {
+    client.query_one(query, &[]).unwrap_or_else(|e| panic!("{query}: {e}")).get(0)
+}
+
+/// The value of one metric from durable_job_metrics().
+pub fn metric(client: &mut Client, name: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT metric_value FROM durable_jobs.durable_job_metrics() WHERE metric_name = $1",
+            &[&name],
+        )
+        .expect("metric")
+        .get(0)
 }

@@ -1,0 +1,365 @@
+//! The in-database background worker against a real cluster with the extension preloaded:
+//! switching it on, draining, failure classification and retries, crash recovery, and running
+//! handlers with the enqueuing role's rights.
+
+use harness::{count, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
+use postgres::Client;
+use std::time::Duration;
+
+/// A table of handler effects without a unique constraint, so duplicates would show, and a
+/// handler that adds one row per job.
+const EFFECTS: &str = "
+    CREATE TABLE public.effects (n integer, done_by name DEFAULT current_user);
+    CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
+        AS $$ INSERT INTO public.effects (n) VALUES ((payload->>'n')::integer) $$;
+    SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');";
+
+fn enqueue_many(client: &mut Client, kind: &str, n: i64) {
+    client
+        .execute(
+            "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('n', g))
+             FROM generate_series(1::bigint, $2::bigint) g",
+            &[&kind, &n],
+        )
+        .expect("enqueue");
+}
+
+fn jobs_in_state(client: &mut Client, state: &str) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = $1", &[&state])
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn the_worker_is_off_by_default_and_drains_once_switched_on() {
+    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '50ms'");
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    enqueue_many(&mut client, "record", 20);
+    assert_eq!(cluster.worker_pids(&mut client).len(), 1, "one worker is registered by default");
+
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(jobs_in_state(&mut client, "available"), 20, "a switched-off worker claims nothing");
+    assert_eq!(metric(&mut client, "claimed"), 0);
+
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(Duration::from_secs(30), "the queue to drain", || {
+        jobs_in_state(&mut client, "succeeded") == 20
+    });
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 20);
+
+    // Switched off again, it leaves new jobs alone.
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    enqueue_many(&mut client, "record", 3);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(jobs_in_state(&mut client, "available"), 3);
+}
+
+#[test]
+fn a_thousand_jobs_each_take_effect_exactly_once() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n"));
+    let mut client = cluster.connect();
+    wait_until(Duration::from_secs(10), "two workers", || cluster.worker_pids(&mut client).len() == 2);
+    client.batch_execute(EFFECTS).unwrap();
+    // A kind without a handler is left for external workers.
+    client.execute("SELECT durable_jobs.enqueue_durable_job('external_only', '{}')", &[]).unwrap();
+    enqueue_many(&mut client, "record", 1000);
+
+    wait_until(Duration::from_secs(180), "1,000 jobs to succeed", || {
+        jobs_in_state(&mut client, "succeeded") == 1000
+    });
+    let effects = client
+        .query_one("SELECT count(*), count(DISTINCT n), min(n), max(n) FROM public.effects", &[])
+        .unwrap();
+    assert_eq!(
+        (effects.get::<_, i64>(0), effects.get::<_, i64>(1), effects.get::<_, i32>(2), effects.get::<_, i32>(3)),
+        (1000, 1000, 1, 1000)
+    );
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded' AND (payload IS NOT NULL OR attempt_count <> 1)"), 0);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_kind = 'external_only' AND job_state = 'available'"), 1);
+    assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "succeeded")), (1000, 1000));
+    assert_eq!(metric(&mut client, "jobs_succeeded"), 1000);
+    assert!(metric(&mut client, "idle_polls") > 0);
+}
+
+#[test]
+fn handler_errors_are_classified_retried_and_kept_out_of_the_log() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 3\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE SEQUENCE public.flaky_attempts;
+             CREATE FUNCTION public.reject(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 RAISE EXCEPTION 'error text with marker-error-7f3a' USING ERRCODE = '22023';
+             END $$;
+             CREATE FUNCTION public.flaky(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (1);
+                 IF nextval('public.flaky_attempts') = 1 THEN
+                     RAISE EXCEPTION 'conflict' USING ERRCODE = '40001';
+                 END IF;
+             END $$;
+             CREATE PROCEDURE public.sleepy(payload jsonb) LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (2);
+                 PERFORM pg_sleep(600);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('reject', 'public.reject(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('flaky', 'public.flaky(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('sleepy', 'public.sleepy(jsonb)');",
+        )
+        .unwrap();
+    let enqueue = |client: &mut Client, kind: &str, attempts: i32| -> i64 {
+        client
+            .query_one(
+                "SELECT durable_jobs.enqueue_durable_job($1, '{\"marker\": \"payload-marker-91c2\"}',
+                        NULL, 'default', now(), $2)",
+                &[&kind, &attempts],
+            )
+            .unwrap()
+            .get(0)
+    };
+    let rejected = enqueue(&mut client, "reject", 5);
+    let flaky = enqueue(&mut client, "flaky", 5);
+    let sleepy = enqueue(&mut client, "sleepy", 2);
+
+    let outcome = |client: &mut Client, job_id: i64| -> (String, Option<String>, i32) {
+        let row = client
+            .query_one(
+                "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job WHERE job_id = $1",
+                &[&job_id],
+            )
+            .unwrap();
+        (row.get(0), row.get(1), row.get(2))
+    };
+    wait_until(Duration::from_secs(60), "all three jobs to finish", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 3
+    });
+    assert_eq!(outcome(&mut client, rejected), ("failed".into(), Some("invalid_request".into()), 1));
+    assert_eq!(outcome(&mut client, flaky), ("succeeded".into(), Some("target_unavailable".into()), 2));
+    // The statement timeout cut each attempt before its lease ended; then attempts ran out.
+    assert_eq!(outcome(&mut client, sleepy), ("failed".into(), Some("target_unavailable".into()), 2));
+    // Only the flaky job's successful attempt left an effect: failed attempts were rolled back.
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE payload IS NOT NULL"), 0);
+    assert_eq!(metric(&mut client, "retried"), 2);
+    assert_eq!(metric(&mut client, "failed"), 2);
+    assert_eq!(metric(&mut client, "succeeded"), 1);
+
+    let log = cluster.server_log();
+    assert!(!log.contains("marker-error-7f3a"), "handler error text reached the server log");
+    assert!(!log.contains("payload-marker-91c2"), "a payload reached the server log");
+    assert!(log.contains("durable_jobs worker 1 started"));
+}
+
+#[test]
+fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 6\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE TABLE public.sleep_for (seconds float8);
+             INSERT INTO public.sleep_for VALUES (60);
+             CREATE FUNCTION public.slow_effect(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 PERFORM pg_sleep((SELECT seconds FROM public.sleep_for));
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow_effect(jsonb)');",
+        )
+        .unwrap();
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('slow', '{\"n\": 7}')", &[])
+        .unwrap()
+        .get(0);
+
+    let mut sleeping_worker = None;
+    wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
+        sleeping_worker = client
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<_, i32>(0));
+        sleeping_worker.is_some()
+    });
+    client.execute("UPDATE public.sleep_for SET seconds = 0", &[]).unwrap();
+    let pid = sleeping_worker.unwrap();
+    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+
+    // The postmaster restarts after the crash; the job is claimed again once its lease expires.
+    let mut client = cluster.connect_when_ready(Duration::from_secs(30));
+    wait_until(Duration::from_secs(60), "the job to be run again", || {
+        match client.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id]) {
+            Ok(row) => row.get::<_, String>(0) == "succeeded",
+            Err(_) => {
+                client = cluster.connect_when_ready(Duration::from_secs(30));
+                false
+            }
+        }
+    });
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE n = 7"), 1);
+    let attempts: i32 = client
+        .query_one("SELECT attempt_count FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, 2);
+}
+
+#[test]
+fn handlers_run_with_the_enqueuing_roles_rights_only() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute(
+            "CREATE ROLE app_producer LOGIN;
+             GRANT CREATE ON SCHEMA public TO app_producer;
+             CREATE TABLE public.secret (v text);
+             INSERT INTO public.secret VALUES ('top secret');
+             GRANT USAGE ON SCHEMA durable_jobs TO app_producer;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.register_durable_job_handler(text, regprocedure)
+               TO app_producer;
+             -- A superuser's handler that app_producer may not execute.
+             CREATE TABLE public.admin_effects (n integer);
+             CREATE FUNCTION public.admin_only(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.admin_effects VALUES (1) $$;
+             REVOKE EXECUTE ON FUNCTION public.admin_only(jsonb) FROM PUBLIC;
+             SELECT durable_jobs.register_durable_job_handler('admin_only', 'public.admin_only(jsonb)');",
+        )
+        .unwrap();
+
+    let mut producer = cluster.connect_as("app_producer");
+    producer
+        .batch_execute(
+            "CREATE TABLE public.producer_log (who name, user_at_start name);
+             CREATE FUNCTION public.log_me(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.producer_log VALUES (current_user, session_user) $$;
+             CREATE FUNCTION public.peek(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM count(*) FROM public.secret;
+             END $$;
+             CREATE FUNCTION public.escalate(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 RESET ROLE;
+                 PERFORM count(*) FROM public.secret;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('log_me', 'public.log_me(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('peek', 'public.peek(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('escalate', 'public.escalate(jsonb)');",
+        )
+        .unwrap();
+    let error = producer
+        .batch_execute("SELECT durable_jobs.register_durable_job_handler('x', 'public.admin_only(jsonb)')")
+        .expect_err("cannot register a handler it may not execute");
+    assert_eq!(sqlstate(&error), "42501");
+    for kind in ["log_me", "peek", "escalate", "admin_only"] {
+        producer
+            .execute("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind])
+            .unwrap();
+    }
+
+    wait_until(Duration::from_secs(30), "the four jobs to finish", || {
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 4
+    });
+    let outcome = |admin: &mut Client, kind: &str| -> (String, Option<String>) {
+        let row = admin
+            .query_one("SELECT job_state, last_failure_code FROM durable_jobs.durable_job WHERE job_kind = $1", &[&kind])
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(outcome(&mut admin, "log_me"), ("succeeded".into(), None));
+    assert_eq!(outcome(&mut admin, "peek"), ("failed".into(), Some("target_rejected".into())));
+    assert_eq!(outcome(&mut admin, "escalate"), ("failed".into(), Some("target_rejected".into())));
+    assert_eq!(outcome(&mut admin, "admin_only"), ("failed".into(), Some("target_rejected".into())));
+    let who: String = admin.query_one("SELECT who::text FROM public.producer_log", &[]).unwrap().get(0);
+    assert_eq!(who, "app_producer");
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.admin_effects"), 0);
+}
+
+#[test]
+fn a_worker_started_before_create_extension_waits_quietly() {
+    let cluster = Cluster::start_without_extension(WORKER_CONF);
+    let mut client = cluster.connect();
+    let pids = cluster.worker_pids(&mut client);
+    assert_eq!(pids.len(), 1);
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(cluster.worker_pids(&mut client), pids, "the worker did not restart");
+
+    client.batch_execute(&format!("CREATE EXTENSION durable_jobs; {EFFECTS}")).unwrap();
+    enqueue_many(&mut client, "record", 5);
+    wait_until(Duration::from_secs(30), "jobs to run after CREATE EXTENSION", || {
+        jobs_in_state(&mut client, "succeeded") == 5
+    });
+    assert_eq!(cluster.worker_pids(&mut client), pids);
+    let log = cluster.server_log();
+    assert!(!log.contains("ERROR") && !log.contains("FATAL"), "the wait was not quiet:\n{log}");
+}
+
+#[test]
+fn sigterm_stops_a_worker_promptly_even_inside_a_long_handler() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(600) $$;
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('nap', '{}');",
+        )
+        .unwrap();
+    let napping = |client: &mut Client| {
+        count(
+            client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+        )
+    };
+    wait_until(Duration::from_secs(20), "the handler to start", || napping(&mut client) == 1);
+    let old_pid = cluster.worker_pids(&mut client)[0];
+
+    // pg_terminate_backend: the worker exits and the postmaster starts a new one.
+    client.execute("SELECT pg_terminate_backend($1)", &[&old_pid]).unwrap();
+    wait_until(Duration::from_secs(30), "a new worker", || {
+        let pids = cluster.worker_pids(&mut client);
+        pids.len() == 1 && pids[0] != old_pid
+    });
+    // A fast shutdown must not wait for the sleeping handler (the lease is 60 s).
+    wait_until(Duration::from_secs(90), "the reclaimed job's handler", || napping(&mut client) == 1);
+    drop(client);
+    cluster.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "20"]);
+    assert!(cluster.server_log().contains("durable_jobs worker 1 started"));
+}
+
+#[test]
+fn a_bad_worker_setting_is_refused_with_a_clear_message() {
+    let cluster = Cluster::start(WORKER_CONF);
+    cluster.pg_ctl(&["stop", "-m", "fast", "-w"]);
+    // Postgres checks an extension's settings when the library loads, reports a bad value and
+    // keeps the default.
+    cluster.append_conf("durable_jobs.worker_count = 1000");
+    cluster.pg_ctl(&["start", "-w", "-t", "30"]);
+    let log = cluster.server_log();
+    assert!(
+        log.contains("1000 is outside the valid range for parameter \"durable_jobs.worker_count\" (0 .. 64)"),
+        "{log}"
+    );
+    let mut client = cluster.connect();
+    wait_until(Duration::from_secs(10), "the default single worker", || {
+        cluster.worker_pids(&mut client).len() == 1
+    });
+    let error = client
+        .batch_execute("ALTER SYSTEM SET durable_jobs.poll_interval = '1ms'")
+        .expect_err("out of range");
+    assert_eq!(sqlstate(&error), "22023");
+}
