@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything durable_jobs needs, builds and installs the extension, and starts a local
-# cluster with durable_jobs preloaded and created in database `postgres`.
+# cluster with durable_jobs preloaded, its background worker on, and the extension created in
+# database `postgres`.
 #   PGPORT (default 5433) and DURABLE_JOBS_PGDATA (default /var/lib/postgresql/durable_jobs)
 #   choose where it runs. Running it again rebuilds, reinstalls and restarts.
 set -euo pipefail
@@ -25,14 +26,18 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     mkdir -p "$PGDATA"
     chown postgres: "$PGDATA" 2>/dev/null || sudo chown postgres: "$PGDATA"
     as_postgres "$bindir/initdb" --auth-local=peer --auth-host=scram-sha-256 -U postgres -D "$PGDATA" >/dev/null
-    cat <<CONF | as_postgres tee -a "$PGDATA/postgresql.conf" >/dev/null
-# durable_jobs
+fi
+# Our settings live in their own file, rewritten on every run.
+cat <<CONF | as_postgres tee "$PGDATA/durable_jobs.conf" >/dev/null
 port = $PGPORT
 listen_addresses = 'localhost'
 unix_socket_directories = '/var/run/postgresql'
 shared_preload_libraries = 'durable_jobs'
+durable_jobs.database = 'postgres'
+durable_jobs.worker_enabled = on
 CONF
-fi
+grep -qs "^include_if_exists = 'durable_jobs.conf'" "$PGDATA/postgresql.conf" ||
+    echo "include_if_exists = 'durable_jobs.conf'" | as_postgres tee -a "$PGDATA/postgresql.conf" >/dev/null
 
 mkdir -p /var/run/postgresql 2>/dev/null || true
 chown postgres: /var/run/postgresql 2>/dev/null || true

@@ -62,7 +62,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
 /// One poll: claim at most one job and run it. Returns whether a job was claimed.
 fn poll_once(worker_id: &str) -> bool {
     let claimed = BackgroundWorker::transaction(|| {
-        if !extension_installed() {
+        if !extension_ready() {
             return None;
         }
         let lease_seconds = settings::default_lease_seconds();
@@ -70,7 +70,7 @@ fn poll_once(worker_id: &str) -> bool {
         Some(job.map(|job| (job.job_id, job.lease_token)))
     });
     match claimed {
-        // Quietly wait for CREATE EXTENSION.
+        // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,
         Some(None) => {
             metrics::count(Counter::IdlePolls);
@@ -84,10 +84,15 @@ fn poll_once(worker_id: &str) -> bool {
     }
 }
 
-fn extension_installed() -> bool {
-    Spi::get_one::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs')",
+/// Whether this database has the extension at the version of this library; an older schema
+/// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
+fn extension_ready() -> bool {
+    Spi::get_one_with_args::<bool>(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
+                        WHERE extname = 'durable_jobs' AND extversion = $1)",
+        &[env!("CARGO_PKG_VERSION").into()],
     )
-    .unwrap_or(Some(false))
+    .ok()
+    .flatten()
     .unwrap_or(false)
 }

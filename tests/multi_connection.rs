@@ -297,3 +297,28 @@ fn documented_roles_can_do_exactly_their_part() {
         producer.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&second]).unwrap().get(0);
     assert!(cancelled);
 }
+
+#[test]
+fn intake_switch_stops_enqueue_but_not_claims() {
+    let cluster = Cluster::start("");
+    let mut client = cluster.connect();
+    let job_id = enqueue(&mut client, "k", 1)[0];
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.intake_enabled = off").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // A new session reads the reloaded configuration.
+    thread::sleep(Duration::from_millis(300));
+    let mut client = cluster.connect();
+    let error = client
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('k', '{}')")
+        .expect_err("intake is off");
+    assert_eq!(sqlstate(&error), "55000");
+    let job = claim(&mut client, "w", 60).expect("claims go on");
+    assert_eq!(job.job_id, job_id);
+    assert_eq!(complete(&mut client, &job, "w"), "succeeded");
+
+    client.batch_execute("ALTER SYSTEM RESET durable_jobs.intake_enabled").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    thread::sleep(Duration::from_millis(300));
+    let mut client = cluster.connect();
+    assert_eq!(enqueue(&mut client, "k", 1).len(), 1);
+}
