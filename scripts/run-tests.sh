@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of durable_jobs:
 #   1. the in-database #[pg_test] suites (pgrx-tests/), on a cluster cargo-pgrx manages;
-#   2. the end-to-end suites (tests/), each on a fresh cluster of its own with the extension
+#   2. the isolation specs (tests/isolation), with PostgreSQL's isolation tester;
+#   3. the end-to-end suites (tests/), each on a fresh cluster of its own with the extension
 #      installed as a user would install it.
 # Needs what scripts/install-prerequisites.sh installs.
 set -euo pipefail
@@ -32,6 +33,9 @@ echo "== installing the extension into $("$PG_CONFIG" --pkglibdir)"
 install_args=(--pg-config "$PG_CONFIG")
 [ "$(id -u)" -eq 0 ] || install_args+=(--sudo)
 cargo pgrx install "${install_args[@]}"
+
+echo "== isolation specs (tests/isolation)"
+bash tests/isolation/run.sh
 
 echo "== end-to-end suites (tests/)"
 cargo test --manifest-path tests/Cargo.toml -- --test-threads=2
