@@ -364,3 +364,34 @@ fn a_bad_worker_setting_is_refused_with_a_clear_message() {
         .expect_err("out of range");
     assert_eq!(sqlstate(&error), "22023");
 }
+
+#[test]
+fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.slow_write(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (1);
+                 PERFORM pg_sleep(2);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('slow_write', 'public.slow_write(jsonb)');",
+        )
+        .unwrap();
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[])
+        .unwrap()
+        .get(0);
+    wait_until(Duration::from_secs(20), "the handler to start", || {
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
+    });
+    let cancelled: bool =
+        client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+    assert!(cancelled);
+    wait_until(Duration::from_secs(20), "the worker to notice the lost lease", || metric(&mut client, "stale") == 1);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 0, "the handler's write was rolled back");
+    assert_eq!(jobs_in_state(&mut client, "cancelled"), 1);
+    assert_eq!(metric(&mut client, "succeeded"), 0);
+}
