@@ -38,4 +38,5 @@ echo "== isolation specs (tests/isolation)"
 bash tests/isolation/run.sh
 
 echo "== end-to-end suites (tests/)"
-cargo test --manifest-path tests/Cargo.toml -- --test-threads=2
+# --nocapture shows the reliability scenarios' summary lines.
+cargo test --manifest-path tests/Cargo.toml -- --test-threads=2 --nocapture

@@ -54,6 +54,7 @@ mod tests {
     include!("../pgrx-tests/cancel_tests.rs");
     include!("../pgrx-tests/schema_tests.rs");
     include!("../pgrx-tests/handler_tests.rs");
+    include!("../pgrx-tests/security_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.

@@ -1,0 +1,107 @@
+//! Hostile input from real clients: huge payloads, invalid UTF-8 and JSON, SQL injection in
+//! every text argument, absurd numbers. Each gets a clear SQLSTATE and changes no job; nothing
+//! secret reaches the server log at default log levels.
+
+use harness::{count, sqlstate, Cluster};
+use postgres::types::ToSql;
+use postgres::Client;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+const INJECTION: &str = "x'); DELETE FROM durable_jobs.durable_job; --";
+
+fn jobs_digest(client: &mut Client) -> String {
+    client
+        .query_one(
+            "SELECT md5(coalesce(string_agg(j::text, '|' ORDER BY job_id), '')) FROM durable_jobs.durable_job j",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
+fn expect_sqlstate(client: &mut Client, statement: &str, params: &[&(dyn ToSql + Sync)], expected: &str) {
+    let before = jobs_digest(client);
+    let error = client.execute(statement, params).expect_err(statement);
+    assert_eq!(sqlstate(&error), expected, "{statement}: {error}");
+    assert_eq!(jobs_digest(client), before, "{statement} changed a job");
+}
+
+#[test]
+fn bad_input_from_clients_is_refused_and_changes_nothing() {
+    let cluster = Cluster::start("");
+    let mut client = cluster.connect();
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{\"keep\": true}', 'secret-key-5d1e')", &[])
+        .unwrap()
+        .get(0);
+    let token: String = client
+        .query_one("SELECT lease_token::text FROM durable_jobs.claim_next_durable_job('w')", &[])
+        .unwrap()
+        .get(0);
+
+    let enqueue = "SELECT durable_jobs.enqueue_durable_job($1, $2::text::jsonb, $3, $4, now(), $5, $6)";
+    let huge = format!("{{\"blob\": \"{}\"}}", "x".repeat(50 * 1024 * 1024));
+    let null_text: Option<&str> = None;
+    let some = |v: i32| Some(v);
+    expect_sqlstate(&mut client, enqueue, &[&"k", &huge, &null_text, &"default", &some(3), &some(0)], "54000");
+    expect_sqlstate(&mut client, enqueue, &[&"k", &"{oops", &null_text, &"default", &some(3), &some(0)], "22P02");
+    for (kind, queue) in [(INJECTION, "default"), ("k", INJECTION), ("", "default"), ("k", "")] {
+        expect_sqlstate(&mut client, enqueue, &[&kind, &"{}", &null_text, &queue, &some(3), &some(0)], "22023");
+    }
+    for (attempts, priority) in [(some(-1), some(0)), (some(i32::MAX), some(0)), (some(3), some(i32::MIN))] {
+        expect_sqlstate(&mut client, enqueue, &[&"k", &"{}", &null_text, &"default", &attempts, &priority], "22023");
+    }
+    expect_sqlstate(&mut client, enqueue, &[&null_text, &"{}", &null_text, &"default", &some(3), &some(0)], "22004");
+
+    let claim = "SELECT * FROM durable_jobs.claim_next_durable_job($1, $2, $3)";
+    let queues: Option<Vec<&str>> = None;
+    for lease in [i32::MIN, -1, 0, 3601, i32::MAX] {
+        expect_sqlstate(&mut client, claim, &[&"w", &queues, &Some(lease)], "22023");
+    }
+    expect_sqlstate(&mut client, claim, &[&INJECTION, &queues, &None::<i32>], "22023");
+    expect_sqlstate(&mut client, claim, &[&"w", &Some(vec![INJECTION]), &None::<i32>], "22023");
+
+    let fail = "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)";
+    for code in [INJECTION, "unknown", "", "lease_expired"] {
+        expect_sqlstate(&mut client, fail, &[&job_id, &"w", &token, &code], "22023");
+    }
+    expect_sqlstate(&mut client, fail, &[&job_id, &INJECTION, &token, &"invalid_request"], "22023");
+    expect_sqlstate(&mut client, "SELECT durable_jobs.complete_durable_job($1, 'w', $2::text::uuid)", &[&job_id, &"not-a-uuid"], "22P02");
+    expect_sqlstate(&mut client, "SELECT durable_jobs.cancel_durable_job($1)", &[&None::<i64>], "22004");
+
+    // An injection attempt in the idempotency key is just a key: stored verbatim, harmless.
+    let keyed: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}', $1)", &[&INJECTION])
+        .unwrap()
+        .get(0);
+    let stored: String = client
+        .query_one("SELECT idempotency_key FROM durable_jobs.durable_job WHERE job_id = $1", &[&keyed])
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, INJECTION);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+
+    // Invalid UTF-8 from a client is refused by the server before any function runs.
+    let mut psql = Command::new("psql")
+        .args(["-X", "-v", "ON_ERROR_STOP=1", "-v", "VERBOSITY=verbose", &cluster.connection_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psql");
+    psql.stdin
+        .take()
+        .unwrap()
+        .write_all(b"\\set VERBOSITY verbose\nSELECT durable_jobs.enqueue_durable_job('k', '{\"a\": \"\xff\xfe\"}');\n")
+        .unwrap();
+    let output = psql.wait_with_output().unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("22021"), "{stderr}");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+
+    let log = cluster.server_log();
+    assert!(!log.contains("secret-key-5d1e"), "an idempotency key reached the server log");
+    assert!(!log.contains("\"keep\""), "a payload reached the server log");
+}
