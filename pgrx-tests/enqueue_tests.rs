@@ -142,3 +142,74 @@ fn enqueue_rejects_a_payload_over_the_size_limit() {
     );
     enqueue("k", r#"{"small": true}"#);
 }
+
+#[pg_test]
+fn batch_enqueue_returns_ids_in_payload_order() {
+    let ids: Vec<i64> = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT * FROM durable_jobs.enqueue_durable_jobs('etl.step',
+                     ARRAY['{\"n\": 1}', '{\"n\": 2}', '{\"n\": 3}']::jsonb[], NULL, 'batch',
+                     now(), 4, 7)",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    });
+    assert_eq!(ids.len(), 3);
+    for (position, job_id) in ids.iter().enumerate() {
+        assert_eq!(job_field::<i64>(*job_id, "(payload->>'n')::int8"), Some(position as i64 + 1));
+        assert_eq!(
+            job_field::<bool>(*job_id, "queue_name = 'batch' AND job_kind = 'etl.step' AND max_attempts = 4
+                                        AND priority = 7 AND enqueued_by = current_user AND job_state = 'available'"),
+            Some(true)
+        );
+    }
+}
+
+#[pg_test]
+fn batch_enqueue_with_keys_is_idempotent_per_element() {
+    let first: Vec<i64> = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT * FROM durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"a\": 1}', '{\"a\": 2}']::jsonb[],
+                                                                 ARRAY['key-1', NULL])",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    });
+    let again: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{\"a\": 1}', 'key-1')");
+    assert_eq!(again, first[0]);
+    assert_rejected(
+        "SELECT * FROM durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"a\": 9}']::jsonb[], ARRAY['key-1'])",
+        "23505",
+    );
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job"), 2);
+}
+
+#[pg_test]
+fn batch_enqueue_rejects_bad_input() {
+    enqueue("existing", "{}");
+    for (arguments, sqlstate) in [
+        ("NULL, ARRAY['{}']::jsonb[]", "22004"),
+        ("'k', NULL", "22004"),
+        ("'k', ARRAY['{}', NULL]::jsonb[]", "22004"),
+        ("'k', ARRAY['{}', '{}']::jsonb[], ARRAY['only-one']", "22023"),
+        ("'k', ARRAY['{}']::jsonb[], ARRAY['']", "22023"),
+        ("'bad kind', ARRAY['{}']::jsonb[]", "22023"),
+        ("'k', ARRAY['{}']::jsonb[], NULL, 'default', now(), 0", "22023"),
+    ] {
+        assert_rejected(&format!("SELECT * FROM durable_jobs.enqueue_durable_jobs({arguments})"), sqlstate);
+    }
+    Spi::run("SET LOCAL durable_jobs.max_payload_size = '1kB'").unwrap();
+    assert_rejected(
+        "SELECT * FROM durable_jobs.enqueue_durable_jobs('k', ARRAY['{}'::jsonb, jsonb_build_object('b', repeat('x', 2000))])",
+        "54000",
+    );
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', ARRAY[]::jsonb[])"), 0);
+}

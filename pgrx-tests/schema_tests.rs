@@ -96,10 +96,12 @@ fn every_function_pins_search_path_and_declares_volatility() {
     let api_functions: i64 = one(
         "SELECT count(*) FROM pg_proc p
          WHERE p.pronamespace = 'durable_jobs'::regnamespace
-           AND p.provolatile = 'v' AND p.proparallel = 'u' AND NOT p.proisstrict
+           AND p.provolatile = 'v' AND p.proparallel = 'u' AND (NOT p.proisstrict OR p.pronargs = 0)
            AND NOT p.prosecdef
-           AND p.proname IN ('enqueue_durable_job', 'claim_next_durable_job', 'complete_durable_job',
-                             'fail_durable_job', 'extend_durable_job_lease', 'cancel_durable_job')",
+           AND p.proname IN ('enqueue_durable_job', 'enqueue_durable_jobs', 'claim_next_durable_job',
+                             'complete_durable_job', 'fail_durable_job', 'extend_durable_job_lease',
+                             'cancel_durable_job', 'register_durable_job_handler',
+                             'unregister_durable_job_handler', 'durable_job_metrics')",
     );
-    assert_eq!(api_functions, 6);
+    assert_eq!(api_functions, 10);
 }

@@ -80,6 +80,17 @@ CREATE INDEX durable_job_lease_expiry_idx
     ON durable_jobs.durable_job (lease_expires_at)
     WHERE job_state = 'running';
 
+-- Finished jobs by age, for the retention pruning of the background workers.
+CREATE INDEX durable_job_finished_idx
+    ON durable_jobs.durable_job (finished_at)
+    WHERE finished_at IS NOT NULL;
+
+-- Every claim and transition updates a row: vacuum often, so dead tuples do not pile up.
+ALTER TABLE durable_jobs.durable_job SET (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.02);
+
 CREATE FUNCTION durable_jobs.clear_terminal_payload() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp

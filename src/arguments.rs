@@ -15,17 +15,12 @@ pub fn invalid(message: &str) -> ! {
     ereport!(ERROR, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, message);
 }
 
+pub fn null_value(argument: &str) -> ! {
+    ereport!(ERROR, PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED, format!("{argument} must not be NULL"));
+}
+
 pub fn required<T>(value: Option<T>, argument: &str) -> T {
-    match value {
-        Some(v) => v,
-        None => {
-            ereport!(
-                ERROR,
-                PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
-                format!("{argument} must not be NULL")
-            );
-        }
-    }
+    value.unwrap_or_else(|| null_value(argument))
 }
 
 /// A job_kind, queue_name or worker_id: 1 to 128 characters of letters, digits and `_ . : / -`.
@@ -44,9 +39,7 @@ pub fn name(value: Option<String>, argument: &str) -> String {
 pub fn idempotency_key(value: Option<String>) -> Option<String> {
     if let Some(key) = &value {
         if key.is_empty() || key.len() > IDEMPOTENCY_KEY_MAX_LEN {
-            invalid(&format!(
-                "idempotency_key must be NULL or 1 to {IDEMPOTENCY_KEY_MAX_LEN} bytes long"
-            ));
+            invalid(&format!("idempotency_key must be NULL or 1 to {IDEMPOTENCY_KEY_MAX_LEN} bytes long"));
         }
     }
     value
@@ -55,11 +48,7 @@ pub fn idempotency_key(value: Option<String>) -> Option<String> {
 pub fn priority(value: Option<i32>) -> i32 {
     let value = required(value, "priority");
     if !PRIORITY_RANGE.contains(&value) {
-        invalid(&format!(
-            "priority must be between {} and {}",
-            PRIORITY_RANGE.start(),
-            PRIORITY_RANGE.end()
-        ));
+        invalid(&format!("priority must be between {} and {}", PRIORITY_RANGE.start(), PRIORITY_RANGE.end()));
     }
     value
 }

@@ -1,9 +1,11 @@
-//! enqueue_durable_job: validated insert with an idempotency key that outlives the payload.
+//! enqueue_durable_job and enqueue_durable_jobs: validated inserts, with idempotency keys that
+//! outlive the payload.
 
 use crate::arguments;
-use crate::sql_types::JsonbDatum;
 use crate::privilege::{as_extension_owner, caller};
+use crate::sql_types::{JsonbArray, JsonbDatum};
 use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
 
 // The fingerprint is kept after the payload is cleared, so a finished job still recognises a
 // repeated enqueue. jsonb's text form is canonical (key order, whitespace), so equal values match.
@@ -25,6 +27,119 @@ const FIND_BY_KEY: &str = "
     FROM durable_jobs.durable_job
     WHERE queue_name = $1 AND idempotency_key = $2";
 
+// Identity values follow insertion order, and rows are inserted in array order, so sorting by
+// job_id returns the ids in the order of the payloads.
+const INSERT_JOBS: &str = "
+    WITH inserted AS (
+        INSERT INTO durable_jobs.durable_job
+            (queue_name, job_kind, payload, priority, run_after, max_attempts, enqueued_by)
+        SELECT $1, $2, p.payload, $4, $5, $6, $7::pg_catalog.name
+        FROM pg_catalog.unnest($3::pg_catalog.jsonb[]) WITH ORDINALITY AS p(payload, position)
+        ORDER BY p.position
+        RETURNING job_id)
+    SELECT job_id FROM inserted ORDER BY job_id";
+
+// (elements, NULL elements, largest element in bytes)
+const DESCRIBE_PAYLOADS: &str = "
+    SELECT pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE p IS NULL),
+           COALESCE(pg_catalog.max(pg_catalog.pg_column_size(p)), 0)::pg_catalog.int8
+    FROM pg_catalog.unnest($1::pg_catalog.jsonb[]) AS p";
+
+/// What every job of one enqueue call shares, validated.
+struct JobTemplate {
+    job_kind: String,
+    queue_name: String,
+    run_after: TimestampWithTimeZone,
+    max_attempts: i32,
+    priority: i32,
+    enqueued_by: String,
+}
+
+impl JobTemplate {
+    fn new(
+        job_kind: Option<String>,
+        queue_name: Option<String>,
+        run_after: Option<TimestampWithTimeZone>,
+        max_attempts: Option<i32>,
+        priority: Option<i32>,
+    ) -> JobTemplate {
+        if !crate::settings::INTAKE_ENABLED.get() {
+            ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                "job intake is disabled (durable_jobs.intake_enabled = off)"
+            );
+        }
+        JobTemplate {
+            job_kind: arguments::name(job_kind, "job_kind"),
+            queue_name: arguments::name(queue_name, "queue_name"),
+            run_after: arguments::run_after(run_after),
+            max_attempts: arguments::max_attempts(max_attempts),
+            priority: arguments::priority(priority),
+            enqueued_by: caller().role_name,
+        }
+    }
+
+    /// Inserts one job, or returns the job already holding `idempotency_key`.
+    fn insert_one(&self, client: &mut SpiClient, payload: JsonbDatum, idempotency_key: Option<&str>) -> i64 {
+        let args = [
+            self.queue_name.as_str().into(),
+            self.job_kind.as_str().into(),
+            payload.into(),
+            idempotency_key.into(),
+            self.priority.into(),
+            self.run_after.into(),
+            self.max_attempts.into(),
+            self.enqueued_by.as_str().into(),
+        ];
+        let inserted = client.update(INSERT_JOB, None, &args).expect("insert job");
+        if !inserted.is_empty() {
+            return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
+        }
+        // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
+        let key = idempotency_key.expect("a conflict implies a key");
+        let args =
+            [self.queue_name.as_str().into(), key.into(), self.job_kind.as_str().into(), payload.into()];
+        let existing = client.select(FIND_BY_KEY, None, &args).expect("look up idempotency key");
+        let existing = match existing.is_empty() {
+            true => (None, None),
+            false => existing.first().get_two::<i64, bool>().expect("existing job"),
+        };
+        match existing {
+            (Some(job_id), Some(true)) => job_id,
+            (Some(_), _) => {
+                ereport!(
+                    ERROR,
+                    PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
+                    "idempotency_key is already used in this queue by a job with a different job_kind or payload"
+                );
+            }
+            (None, _) => {
+                ereport!(
+                    ERROR,
+                    PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+                    "the job holding this idempotency_key was removed concurrently; retry the enqueue"
+                );
+            }
+        }
+    }
+}
+
+fn payload_too_large(size: usize) -> bool {
+    size > crate::settings::MAX_PAYLOAD_SIZE.get() as usize * 1024
+}
+
+fn reject_large_payload() -> ! {
+    ereport!(
+        ERROR,
+        PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+        format!(
+            "payload is larger than durable_jobs.max_payload_size ({} kB)",
+            crate::settings::MAX_PAYLOAD_SIZE.get()
+        )
+    );
+}
+
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn enqueue_durable_job(
@@ -36,90 +151,82 @@ fn enqueue_durable_job(
     max_attempts: default!(Option<i32>, "NULL"),
     priority: default!(Option<i32>, "0"),
 ) -> i64 {
-    if !crate::settings::INTAKE_ENABLED.get() {
-        ereport!(
-            ERROR,
-            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-            "job intake is disabled (durable_jobs.intake_enabled = off)"
-        );
-    }
-    let job_kind = arguments::name(job_kind, "job_kind");
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
     let payload = arguments::required(payload, "payload");
     let idempotency_key = arguments::idempotency_key(idempotency_key);
-    let queue_name = arguments::name(queue_name, "queue_name");
-    let run_after = arguments::run_after(run_after);
-    let max_attempts = arguments::max_attempts(max_attempts);
-    let priority = arguments::priority(priority);
-    check_payload_size(&payload);
-    let enqueued_by = caller().role_name;
-
-    as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            let inserted = client
-                .update(
-                    INSERT_JOB,
-                    None,
-                    &[
-                        queue_name.as_str().into(),
-                        job_kind.as_str().into(),
-                        payload.into(),
-                        idempotency_key.as_deref().into(),
-                        priority.into(),
-                        run_after.into(),
-                        max_attempts.into(),
-                        enqueued_by.as_str().into(),
-                    ],
-                )
-                .expect("insert job");
-            if !inserted.is_empty() {
-                return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
-            }
-            // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
-            let key = idempotency_key.as_deref().expect("a conflict implies a key");
-            let existing = client
-                .select(
-                    FIND_BY_KEY,
-                    None,
-                    &[
-                        queue_name.as_str().into(),
-                        key.into(),
-                        job_kind.as_str().into(),
-                        payload.into(),
-                    ],
-                )
-                .expect("look up idempotency key");
-            let existing = match existing.is_empty() {
-                true => (None, None),
-                false => existing.first().get_two::<i64, bool>().expect("existing job"),
-            };
-            match existing {
-                (Some(job_id), Some(true)) => job_id,
-                (Some(_), _) => {
-                    ereport!(
-                        ERROR,
-                        PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
-                        "idempotency_key is already used in this queue by a job with a different job_kind or payload"
-                    );
-                }
-                (None, _) => {
-                    ereport!(
-                        ERROR,
-                        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
-                        "the job holding this idempotency_key was removed concurrently; retry the enqueue"
-                    );
-                }
-            }
-        })
-    })
+    if payload_too_large(payload.raw_size()) {
+        reject_large_payload();
+    }
+    let job_id = as_extension_owner(|| {
+        Spi::connect_mut(|client| template.insert_one(client, payload, idempotency_key.as_deref()))
+    });
+    crate::wakeup::wake_workers_at_commit();
+    job_id
 }
 
-fn check_payload_size(payload: &JsonbDatum) {
-    let limit_kb = crate::settings::MAX_PAYLOAD_SIZE.get();
-    if payload.raw_size() > limit_kb as usize * 1024 {
-        ereport!(
-            ERROR,
-            PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
-            format!("payload is larger than durable_jobs.max_payload_size ({limit_kb} kB)")
-        );
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn enqueue_durable_jobs(
+    job_kind: Option<String>,
+    payloads: Option<JsonbArray>,
+    idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+    queue_name: default!(Option<String>, "'default'"),
+    run_after: default!(Option<TimestampWithTimeZone>, "now()"),
+    max_attempts: default!(Option<i32>, "NULL"),
+    priority: default!(Option<i32>, "0"),
+) -> SetOfIterator<'static, i64> {
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    let payloads = arguments::required(payloads, "payloads");
+    let (elements, nulls, largest) =
+        Spi::get_three_with_args::<i64, i64, i64>(DESCRIBE_PAYLOADS, &[payloads.into()])
+            .expect("describe payloads");
+    let (elements, nulls, largest) = (elements.unwrap_or(0), nulls.unwrap_or(0), largest.unwrap_or(0));
+    if nulls > 0 {
+        arguments::null_value("each element of payloads");
     }
+    if payload_too_large(largest as usize) {
+        reject_large_payload();
+    }
+    let keys = idempotency_keys.map(|keys| {
+        if keys.len() as i64 != elements {
+            arguments::invalid("idempotency_keys must be NULL or have one element per payload");
+        }
+        keys.into_iter().map(arguments::idempotency_key).collect::<Vec<_>>()
+    });
+    if elements == 0 {
+        return SetOfIterator::new(Vec::new());
+    }
+
+    let job_ids: Vec<i64> = as_extension_owner(|| {
+        Spi::connect_mut(|client| match keys {
+            // Without keys: one statement for the whole batch.
+            None => {
+                let args = [
+                    template.queue_name.as_str().into(),
+                    template.job_kind.as_str().into(),
+                    payloads.into(),
+                    template.priority.into(),
+                    template.run_after.into(),
+                    template.max_attempts.into(),
+                    template.enqueued_by.as_str().into(),
+                ];
+                let rows = client.update(INSERT_JOBS, None, &args).expect("insert jobs");
+                rows.map(|row| row.get::<i64>(1).unwrap().unwrap()).collect()
+            }
+            // With keys: each payload goes through the idempotent insert.
+            Some(keys) => {
+                let each = client
+                    .select("SELECT p FROM pg_catalog.unnest($1::pg_catalog.jsonb[]) WITH ORDINALITY AS u(p, n) ORDER BY n", None, &[payloads.into()])
+                    .expect("unnest payloads")
+                    .map(|row| row.get::<JsonbDatum>(1).unwrap().unwrap())
+                    .collect::<Vec<_>>();
+                each.into_iter()
+                    .zip(keys)
+                    .map(|(payload, key)| template.insert_one(client, payload, key.as_deref()))
+                    .collect()
+            }
+        })
+    });
+    crate::wakeup::wake_workers_at_commit();
+    SetOfIterator::new(job_ids)
 }

@@ -88,8 +88,7 @@ pub fn run_job(job_id: i64, worker_id: &str, lease_token: Uuid) {
         as_role_with_timeout(role, timeout_ms, || {
             Spi::run_with_args(&handler_call, &[job.payload.as_str().into()]).expect("run handler");
         });
-        with_pinned_search_path(|| lease::complete_job(job_id, worker_id, lease_token))
-            == "succeeded"
+        with_pinned_search_path(|| lease::complete_job(job_id, worker_id, lease_token)) == "succeeded"
     });
     match outcome {
         Ok(true) => metrics::count(Counter::Succeeded),
@@ -107,9 +106,7 @@ unsafe extern "C-unwind" {
 }
 
 fn disarm_statement_timeout() {
-    unsafe {
-        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| disable_timeout(STATEMENT_TIMEOUT, false))
-    };
+    unsafe { pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| disable_timeout(STATEMENT_TIMEOUT, false)) };
 }
 
 /// Runs `f` as `role` under a statement timeout. Changing the user with
@@ -121,10 +118,7 @@ fn as_role_with_timeout(role: pg_sys::Oid, timeout_ms: i32, f: impl FnOnce()) {
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
         let level = pg_sys::NewGUCNestLevel();
-        pg_sys::SetUserIdAndSecContext(
-            role,
-            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
-        );
+        pg_sys::SetUserIdAndSecContext(role, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32);
         pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
             enable_timeout_after(STATEMENT_TIMEOUT, timeout_ms)
         });

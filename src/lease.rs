@@ -7,9 +7,9 @@
 
 use crate::arguments;
 use crate::failure::FailureCode;
-use crate::sql_types::JsonbDatum;
 use crate::privilege::{as_extension_owner, caller};
 use crate::settings;
+use crate::sql_types::JsonbDatum;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::Uuid;
@@ -38,7 +38,7 @@ const EXPIRE_EXHAUSTED: &str = "
         finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
     FROM exhausted WHERE j.job_id = exhausted.job_id";
 
-const CLAIM_ONE: &str = "
+const CLAIM: &str = "
     WITH candidate AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
@@ -48,7 +48,7 @@ const CLAIM_ONE: &str = "
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
           AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
-        LIMIT 1
+        LIMIT $5
         FOR UPDATE SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET job_state = 'running',
@@ -149,7 +149,6 @@ impl LeaseHolder {
     }
 }
 
-
 /// One claimed job, as the claim returns it.
 pub struct ClaimedJob {
     pub job_id: i64,
@@ -162,13 +161,15 @@ pub struct ClaimedJob {
 }
 
 /// The claim shared by the SQL API and the background worker, which passes `handlers_only` to
-/// take only kinds with a registered handler. Arguments are already validated.
-pub fn claim_job(
+/// take only kinds with a registered handler, and may take up to `limit` jobs at once.
+/// Arguments are already validated.
+pub fn claim_jobs(
     worker_id: &str,
     queue_names: Option<&[String]>,
     lease_seconds: i32,
     handlers_only: bool,
-) -> Option<ClaimedJob> {
+    limit: i32,
+) -> Vec<ClaimedJob> {
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
             let queues = || -> DatumWithOid {
@@ -180,14 +181,15 @@ pub fn claim_job(
             client
                 .update(statement(EXPIRE_EXHAUSTED).as_str(), None, &[queues()])
                 .expect("expire exhausted leases");
-            let args =
-                [queues(), worker_id.into(), f64::from(lease_seconds).into(), handlers_only.into()];
-            let rows = client.update(CLAIM_ONE, Some(1), &args).expect("claim a job");
-            if rows.is_empty() {
-                return None;
-            }
-            let row = rows.first();
-            Some(ClaimedJob {
+            let args = [
+                queues(),
+                worker_id.into(),
+                f64::from(lease_seconds).into(),
+                handlers_only.into(),
+                i64::from(limit).into(),
+            ];
+            let rows = client.update(CLAIM, None, &args).expect("claim jobs");
+            rows.map(|row| ClaimedJob {
                 job_id: row.get(1).unwrap().unwrap(),
                 lease_token: row.get(2).unwrap().unwrap(),
                 lease_expires_at: row.get(3).unwrap().unwrap(),
@@ -196,6 +198,7 @@ pub fn claim_job(
                 attempt_count: row.get(6).unwrap().unwrap(),
                 max_attempts: row.get(7).unwrap().unwrap(),
             })
+            .collect()
         })
     })
 }
@@ -247,8 +250,8 @@ fn claim_next_durable_job(
     let worker_id = arguments::name(worker_id, "worker_id");
     let queue_names = arguments::queue_names(queue_names);
     let lease_seconds = arguments::lease_seconds(lease_seconds);
-    let claimed = claim_job(&worker_id, queue_names.as_deref(), lease_seconds, false);
-    TableIterator::new(claimed.map(|job| {
+    let claimed = claim_jobs(&worker_id, queue_names.as_deref(), lease_seconds, false, 1);
+    TableIterator::new(claimed.into_iter().map(|job| {
         (
             job.job_id,
             job.lease_token,

@@ -5,7 +5,7 @@
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
 //! machine), `handlers` (registration), `worker` (the background worker loop), `execution`
-//! (running one handler), `metrics`.
+//! (running one handler), `wakeup` (latches set at enqueue commit), `metrics`.
 
 use pgrx::prelude::*;
 
@@ -19,6 +19,7 @@ mod metrics;
 mod privilege;
 mod settings;
 mod sql_types;
+mod wakeup;
 mod worker;
 
 ::pgrx::pg_module_magic!();
@@ -36,6 +37,7 @@ pub extern "C-unwind" fn _PG_init() {
     if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         settings::register_postmaster_settings();
         metrics::init_shared_memory();
+        wakeup::init_shared_memory();
         worker::register_workers();
     }
     settings::reserve_prefix();

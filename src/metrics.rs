@@ -53,8 +53,7 @@ pub struct WorkerCounters([AtomicU64; 6]);
 
 unsafe impl PGRXSharedMemory for WorkerCounters {}
 
-static COUNTERS: PgAtomic<WorkerCounters> =
-    unsafe { PgAtomic::new(c"durable_jobs_worker_counters") };
+static COUNTERS: PgAtomic<WorkerCounters> = unsafe { PgAtomic::new(c"durable_jobs_worker_counters") };
 
 /// Set in the postmaster while preloading and inherited by every backend it forks; without
 /// preloading there is no shared memory and no worker, so the counters read zero.
@@ -88,8 +87,7 @@ const JOBS_PER_STATE: &str = "
 
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
-fn durable_job_metrics(
-) -> TableIterator<'static, (name!(metric_name, String), name!(metric_value, i64))> {
+fn durable_job_metrics() -> TableIterator<'static, (name!(metric_name, String), name!(metric_value, i64))> {
     let mut metrics: Vec<(String, i64)> =
         Counter::ALL.iter().map(|c| (c.name().to_string(), counter_value(*c))).collect();
     as_extension_owner(|| {

@@ -5,8 +5,8 @@
 //! switch to the extension owner, as pg_cron does, rather than SECURITY DEFINER, which would
 //! hide the caller.
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 
 pub struct Caller {
     pub role_oid: pg_sys::Oid,
@@ -50,10 +50,7 @@ pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
     let mut saved_context = 0;
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(
-            owner,
-            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
-        );
+        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32);
     }
     let result = f();
     unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };

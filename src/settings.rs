@@ -26,8 +26,15 @@ pub static INTAKE_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// How many background workers the postmaster starts (restart to change).
 pub static WORKER_COUNT: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// The database the background workers connect to (restart to change).
-pub static DATABASE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+
+/// How many jobs a background worker claims per transaction.
+pub static CLAIM_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1);
+/// How long finished jobs are kept before the workers delete them, in seconds; 0 keeps them.
+pub static RETENTION_PERIOD: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+
+/// Upper bound of `durable_jobs.worker_count`.
+pub const WORKER_COUNT_LIMIT: i32 = 64;
 
 /// Upper bound of `max_attempts`, for the GUC and for each job.
 pub const MAX_ATTEMPTS_LIMIT: i32 = 1000;
@@ -115,6 +122,26 @@ pub fn register() {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_int_guc(
+        c"durable_jobs.claim_batch_size",
+        c"How many jobs a background worker claims and finishes per transaction.",
+        c"Each job still runs in its own subtransaction, fenced on its own lease.",
+        &CLAIM_BATCH_SIZE,
+        1,
+        1000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"durable_jobs.retention_period",
+        c"How long finished jobs are kept before the background workers delete them.",
+        c"0 keeps finished jobs forever. An idempotency key is remembered as long as its job is kept.",
+        &RETENTION_PERIOD,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
     GucRegistry::define_bool_guc(
         c"durable_jobs.intake_enabled",
         c"Whether enqueue accepts new jobs.",
@@ -139,7 +166,7 @@ pub fn register_postmaster_settings() {
         c"Each takes one of max_worker_processes. Needs a restart.",
         &WORKER_COUNT,
         0,
-        64,
+        WORKER_COUNT_LIMIT,
         GucContext::Postmaster,
         GucFlags::default(),
     );

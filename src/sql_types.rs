@@ -2,10 +2,11 @@
 //!
 //! `JsonbDatum`: a jsonb value passed through untouched. pgrx's `JsonB` parses into serde_json
 //! and back, which costs time and can round numbers; a job queue must hand the payload on
-//! exactly as given. `Regprocedure`: a routine's oid, declared in SQL as `regprocedure`.
+//! exactly as given. `JsonbArray`: a jsonb[] handed on to SQL the same way. `Regprocedure`: a
+//! routine's oid, declared in SQL as `regprocedure`.
 
-use pgrx::prelude::*;
 use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
+use pgrx::prelude::*;
 use pgrx::{pg_sys, FromDatum, IntoDatum, PgMemoryContexts};
 
 #[derive(Clone, Copy)]
@@ -98,3 +99,34 @@ unsafe impl<'fcx> ArgAbi<'fcx> for Regprocedure {
 }
 
 impl_sql_translatable!(Regprocedure, "regprocedure");
+
+#[derive(Clone, Copy)]
+pub struct JsonbArray(pg_sys::Datum);
+
+impl FromDatum for JsonbArray {
+    unsafe fn from_polymorphic_datum(
+        datum: pg_sys::Datum,
+        is_null: bool,
+        _typoid: pg_sys::Oid,
+    ) -> Option<Self> {
+        (!is_null).then_some(JsonbArray(datum))
+    }
+}
+
+impl IntoDatum for JsonbArray {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.0)
+    }
+
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::JSONBARRAYOID
+    }
+}
+
+unsafe impl<'fcx> ArgAbi<'fcx> for JsonbArray {
+    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+        unsafe { arg.unbox_arg_using_from_datum().expect("a non-NULL jsonb[] argument") }
+    }
+}
+
+impl_sql_translatable!(JsonbArray, "jsonb[]");

@@ -8,10 +8,11 @@ use crate::lease;
 use crate::metrics::{self, Counter};
 use crate::privilege::with_pinned_search_path;
 use crate::settings;
+use crate::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub const WORKER_TYPE: &str = "durable_jobs worker";
 
@@ -43,15 +44,22 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
     BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), None);
+    wakeup::publish_worker(number);
     log!("{WORKER_TYPE} {number} started");
 
     let worker_id = format!("durable_jobs-worker-{number}");
+    let mut last_prune = Instant::now();
     loop {
         pg_sys::check_for_interrupts!();
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-        let found_job = settings::WORKER_ENABLED.get() && poll_once(&worker_id);
+        let enabled = settings::WORKER_ENABLED.get();
+        let found_job = enabled && poll_once(&worker_id);
+        if enabled && last_prune.elapsed() >= PRUNE_EVERY {
+            prune_finished_jobs();
+            last_prune = Instant::now();
+        }
         if !found_job && !BackgroundWorker::wait_latch(Some(settings::poll_interval())) {
             break;
         }
@@ -59,27 +67,73 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     log!("{WORKER_TYPE} {number} stopped");
 }
 
-/// One poll: claim at most one job and run it. Returns whether a job was claimed.
+/// One poll: claim up to `durable_jobs.claim_batch_size` jobs and run them, each in its own
+/// subtransaction, all finished in one commit. Returns whether any job was claimed.
 fn poll_once(worker_id: &str) -> bool {
     let claimed = BackgroundWorker::transaction(|| {
         if !extension_ready() {
             return None;
         }
         let lease_seconds = settings::default_lease_seconds();
-        let job = with_pinned_search_path(|| lease::claim_job(worker_id, None, lease_seconds, true));
-        Some(job.map(|job| (job.job_id, job.lease_token)))
+        let batch = settings::CLAIM_BATCH_SIZE.get();
+        let jobs = with_pinned_search_path(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
+        Some(jobs.into_iter().map(|job| (job.job_id, job.lease_token)).collect::<Vec<_>>())
     });
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,
-        Some(None) => {
+        Some(jobs) if jobs.is_empty() => {
             metrics::count(Counter::IdlePolls);
             false
         }
-        Some(Some((job_id, lease_token))) => {
-            metrics::count(Counter::Claimed);
-            BackgroundWorker::transaction(|| execution::run_job(job_id, worker_id, lease_token));
+        Some(jobs) => {
+            for _ in &jobs {
+                metrics::count(Counter::Claimed);
+            }
+            BackgroundWorker::transaction(|| {
+                for (job_id, lease_token) in jobs {
+                    execution::run_job(job_id, worker_id, lease_token);
+                }
+            });
             true
+        }
+    }
+}
+
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
+const PRUNE_BATCH: i64 = 1000;
+const PRUNE_BATCHES_PER_ROUND: usize = 20;
+
+const DELETE_EXPIRED: &str = "
+    WITH expired AS (
+        SELECT job_id FROM durable_jobs.durable_job
+        WHERE finished_at < pg_catalog.clock_timestamp() - pg_catalog.make_interval(secs => $1)
+        ORDER BY finished_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED)
+    DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id";
+
+/// Deletes jobs finished longer than `durable_jobs.retention_period` ago, in small batches, one
+/// transaction each, so that no long lock or transaction holds up the queue.
+fn prune_finished_jobs() {
+    let retention = settings::RETENTION_PERIOD.get();
+    if retention == 0 {
+        return;
+    }
+    for _ in 0..PRUNE_BATCHES_PER_ROUND {
+        let deleted = BackgroundWorker::transaction(|| {
+            if !extension_ready() {
+                return 0;
+            }
+            with_pinned_search_path(|| {
+                Spi::connect_mut(|client| {
+                    let args = [f64::from(retention).into(), PRUNE_BATCH.into()];
+                    client.update(DELETE_EXPIRED, None, &args).expect("prune finished jobs").len()
+                })
+            })
+        });
+        if (deleted as i64) < PRUNE_BATCH {
+            break;
         }
     }
 }

@@ -58,9 +58,8 @@ impl Cluster {
 
     /// A new, running cluster with `extra_conf` appended to postgresql.conf.
     pub fn start_without_extension(extra_conf: &str) -> Cluster {
-        let bin_dir = PathBuf::from(
-            std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
-        );
+        let bin_dir =
+            PathBuf::from(std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()));
         let root = PathBuf::from("/var/tmp/durable_jobs_e2e");
         std::fs::create_dir_all(&root).expect("create cluster root");
         if running_as_root() {

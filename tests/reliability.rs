@@ -55,7 +55,13 @@ impl Draws {
 
 /// One claim and its outcome, the way an external worker would do it: the effect and the
 /// fenced completion commit together, so a stale completion leaves no effect.
-fn external_step(client: &mut Client, name: &str, fail_rate: f64, draws: &mut Draws, work: Duration) -> Result<bool, postgres::Error> {
+fn external_step(
+    client: &mut Client,
+    name: &str,
+    fail_rate: f64,
+    draws: &mut Draws,
+    work: Duration,
+) -> Result<bool, postgres::Error> {
     let Some(row) = client.query_opt(
         "SELECT job_id, lease_token::text, (payload->>'n')::bigint FROM durable_jobs.claim_next_durable_job($1)",
         &[&name],
@@ -75,7 +81,10 @@ fn external_step(client: &mut Client, name: &str, fail_rate: f64, draws: &mut Dr
     let mut txn = client.transaction()?;
     txn.execute("INSERT INTO public.effects VALUES ($1, 'external')", &[&n])?;
     let outcome: String = txn
-        .query_one("SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)", &[&job_id, &name, &token])?
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
+            &[&job_id, &name, &token],
+        )?
         .get(0);
     if outcome == "succeeded" {
         txn.commit()?;
@@ -138,7 +147,8 @@ struct Tally {
 fn drain_and_check(cluster: &Cluster, scenario: &str, jobs: i64, started: Instant) -> Tally {
     let mut client = cluster.connect_when_ready(Duration::from_secs(60));
     wait_until(Duration::from_secs(600), &format!("{scenario}: every job terminal"), || {
-        match client.query_one("SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NULL", &[]) {
+        match client.query_one("SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NULL", &[])
+        {
             Ok(row) => row.get::<_, i64>(0) == 0,
             Err(_) => {
                 client = cluster.connect_when_ready(Duration::from_secs(60));
@@ -211,10 +221,15 @@ fn soak_with_workers_external_workers_and_transient_failures() {
 
     // Counters agree with the rows: the workers' successes plus the external ones.
     let worker_successes = harness::metric(&mut client, "succeeded");
-    let external_successes = count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'external'");
-    let succeeded = count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'");
+    let external_successes =
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'external'");
+    let succeeded =
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'");
     assert_eq!(worker_successes + external_successes, succeeded);
-    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'worker'"), worker_successes);
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'worker'"),
+        worker_successes
+    );
     assert!(worker_successes > 0 && external_successes > 0, "both kinds of worker took part");
 }
 
@@ -260,8 +275,10 @@ fn immediate_shutdown_mid_load_then_restart_and_drain() {
 fn terminated_external_workers_leave_jobs_that_come_back() {
     const JOBS: i64 = 300;
     // External workers only: the background worker is off.
-    let cluster = Arc::new(Cluster::start("shared_preload_libraries = 'durable_jobs'\n\
-                                           durable_jobs.lease_duration = 1\n"));
+    let cluster = Arc::new(Cluster::start(
+        "shared_preload_libraries = 'durable_jobs'\n\
+                                           durable_jobs.lease_duration = 1\n",
+    ));
     let mut client = cluster.connect();
     client.batch_execute(SETUP).unwrap();
     let started = Instant::now();
@@ -296,12 +313,14 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
 
     // An old snapshot holds back vacuum while the first half of the jobs flows.
     let mut holder = cluster.connect();
-    let mut snapshot = holder.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
+    let mut snapshot =
+        holder.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
     snapshot.query_one("SELECT count(*) FROM durable_jobs.durable_job", &[]).unwrap();
     let started = Instant::now();
     enqueue(&mut client, JOBS / 2, 0.0);
     wait_until(Duration::from_secs(300), "the first half", || {
-        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == JOBS / 2
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'")
+            == JOBS / 2
     });
     let held_rate = (JOBS / 2) as f64 / started.elapsed().as_secs_f64();
     snapshot.rollback().unwrap();

@@ -44,15 +44,40 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
     let huge = format!("{{\"blob\": \"{}\"}}", "x".repeat(50 * 1024 * 1024));
     let null_text: Option<&str> = None;
     let some = |v: i32| Some(v);
-    expect_sqlstate(&mut client, enqueue, &[&"k", &huge, &null_text, &"default", &some(3), &some(0)], "54000");
-    expect_sqlstate(&mut client, enqueue, &[&"k", &"{oops", &null_text, &"default", &some(3), &some(0)], "22P02");
+    expect_sqlstate(
+        &mut client,
+        enqueue,
+        &[&"k", &huge, &null_text, &"default", &some(3), &some(0)],
+        "54000",
+    );
+    expect_sqlstate(
+        &mut client,
+        enqueue,
+        &[&"k", &"{oops", &null_text, &"default", &some(3), &some(0)],
+        "22P02",
+    );
     for (kind, queue) in [(INJECTION, "default"), ("k", INJECTION), ("", "default"), ("k", "")] {
-        expect_sqlstate(&mut client, enqueue, &[&kind, &"{}", &null_text, &queue, &some(3), &some(0)], "22023");
+        expect_sqlstate(
+            &mut client,
+            enqueue,
+            &[&kind, &"{}", &null_text, &queue, &some(3), &some(0)],
+            "22023",
+        );
     }
     for (attempts, priority) in [(some(-1), some(0)), (some(i32::MAX), some(0)), (some(3), some(i32::MIN))] {
-        expect_sqlstate(&mut client, enqueue, &[&"k", &"{}", &null_text, &"default", &attempts, &priority], "22023");
+        expect_sqlstate(
+            &mut client,
+            enqueue,
+            &[&"k", &"{}", &null_text, &"default", &attempts, &priority],
+            "22023",
+        );
     }
-    expect_sqlstate(&mut client, enqueue, &[&null_text, &"{}", &null_text, &"default", &some(3), &some(0)], "22004");
+    expect_sqlstate(
+        &mut client,
+        enqueue,
+        &[&null_text, &"{}", &null_text, &"default", &some(3), &some(0)],
+        "22004",
+    );
 
     let claim = "SELECT * FROM durable_jobs.claim_next_durable_job($1, $2, $3)";
     let queues: Option<Vec<&str>> = None;
@@ -67,7 +92,12 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
         expect_sqlstate(&mut client, fail, &[&job_id, &"w", &token, &code], "22023");
     }
     expect_sqlstate(&mut client, fail, &[&job_id, &INJECTION, &token, &"invalid_request"], "22023");
-    expect_sqlstate(&mut client, "SELECT durable_jobs.complete_durable_job($1, 'w', $2::text::uuid)", &[&job_id, &"not-a-uuid"], "22P02");
+    expect_sqlstate(
+        &mut client,
+        "SELECT durable_jobs.complete_durable_job($1, 'w', $2::text::uuid)",
+        &[&job_id, &"not-a-uuid"],
+        "22P02",
+    );
     expect_sqlstate(&mut client, "SELECT durable_jobs.cancel_durable_job($1)", &[&None::<i64>], "22004");
 
     // An injection attempt in the idempotency key is just a key: stored verbatim, harmless.

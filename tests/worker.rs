@@ -33,7 +33,8 @@ fn jobs_in_state(client: &mut Client, state: &str) -> i64 {
 
 #[test]
 fn the_worker_is_off_by_default_and_drains_once_switched_on() {
-    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '50ms'");
+    let cluster =
+        Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '50ms'");
     let mut client = cluster.connect();
     client.batch_execute(EFFECTS).unwrap();
     enqueue_many(&mut client, "record", 20);
@@ -76,7 +77,12 @@ fn a_thousand_jobs_each_take_effect_exactly_once() {
         .query_one("SELECT count(*), count(DISTINCT n), min(n), max(n) FROM public.effects", &[])
         .unwrap();
     assert_eq!(
-        (effects.get::<_, i64>(0), effects.get::<_, i64>(1), effects.get::<_, i32>(2), effects.get::<_, i32>(3)),
+        (
+            effects.get::<_, i64>(0),
+            effects.get::<_, i64>(1),
+            effects.get::<_, i32>(2),
+            effects.get::<_, i32>(3)
+        ),
         (1000, 1000, 1, 1000)
     );
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded' AND (payload IS NOT NULL OR attempt_count <> 1)"), 0);
@@ -147,7 +153,10 @@ fn handler_errors_are_classified_retried_and_kept_out_of_the_log() {
     assert_eq!(outcome(&mut client, sleepy), ("failed".into(), Some("target_unavailable".into()), 2));
     // Only the flaky job's successful attempt left an effect: failed attempts were rolled back.
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1);
-    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE payload IS NOT NULL"), 0);
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE payload IS NOT NULL"),
+        0
+    );
     assert_eq!(metric(&mut client, "retried"), 2);
     assert_eq!(metric(&mut client, "failed"), 2);
     assert_eq!(metric(&mut client, "succeeded"), 1);
@@ -200,7 +209,8 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
     // The postmaster restarts after the crash; the job is claimed again once its lease expires.
     let mut client = cluster.connect_when_ready(Duration::from_secs(30));
     wait_until(Duration::from_secs(60), "the job to be run again", || {
-        match client.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id]) {
+        match client.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        {
             Ok(row) => row.get::<_, String>(0) == "succeeded",
             Err(_) => {
                 client = cluster.connect_when_ready(Duration::from_secs(30));
@@ -265,9 +275,7 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
         .expect_err("cannot register a handler it may not execute");
     assert_eq!(sqlstate(&error), "42501");
     for kind in ["log_me", "peek", "escalate", "admin_only"] {
-        producer
-            .execute("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind])
-            .unwrap();
+        producer.execute("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind]).unwrap();
     }
 
     wait_until(Duration::from_secs(30), "the four jobs to finish", || {
@@ -275,7 +283,10 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
     });
     let outcome = |admin: &mut Client, kind: &str| -> (String, Option<String>) {
         let row = admin
-            .query_one("SELECT job_state, last_failure_code FROM durable_jobs.durable_job WHERE job_kind = $1", &[&kind])
+            .query_one(
+                "SELECT job_state, last_failure_code FROM durable_jobs.durable_job WHERE job_kind = $1",
+                &[&kind],
+            )
             .unwrap();
         (row.get(0), row.get(1))
     };
@@ -380,18 +391,22 @@ fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
              SELECT durable_jobs.register_durable_job_handler('slow_write', 'public.slow_write(jsonb)');",
         )
         .unwrap();
-    let job_id: i64 = client
-        .query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[])
-        .unwrap()
-        .get(0);
+    let job_id: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[]).unwrap().get(0);
     wait_until(Duration::from_secs(20), "the handler to start", || {
         count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
     });
     let cancelled: bool =
         client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
     assert!(cancelled);
-    wait_until(Duration::from_secs(20), "the worker to notice the lost lease", || metric(&mut client, "stale") == 1);
-    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 0, "the handler's write was rolled back");
+    wait_until(Duration::from_secs(20), "the worker to notice the lost lease", || {
+        metric(&mut client, "stale") == 1
+    });
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM public.effects"),
+        0,
+        "the handler's write was rolled back"
+    );
     assert_eq!(jobs_in_state(&mut client, "cancelled"), 1);
     assert_eq!(metric(&mut client, "succeeded"), 0);
 }

@@ -1,0 +1,70 @@
+//! Waking idle workers when work arrives, so enqueue-to-start latency does not wait for
+//! `durable_jobs.poll_interval`. Each worker publishes its pid in a shared slot; a transaction
+//! that enqueued sets their latches once, when it commits (a rolled-back enqueue wakes no one).
+
+use crate::settings::WORKER_COUNT_LIMIT;
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::{PGRXSharedMemory, PgAtomic, PgXactCallbackEvent};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+pub struct WorkerSlots([AtomicI32; WORKER_COUNT_LIMIT as usize]);
+
+impl Default for WorkerSlots {
+    fn default() -> Self {
+        WorkerSlots(std::array::from_fn(|_| AtomicI32::new(0)))
+    }
+}
+
+unsafe impl PGRXSharedMemory for WorkerSlots {}
+
+static SLOTS: PgAtomic<WorkerSlots> = unsafe { PgAtomic::new(c"durable_jobs_worker_slots") };
+
+/// Set while preloading (inherited by forked backends); without it there are no workers.
+static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
+
+/// Whether this backend's current transaction already asked for a wake-up at commit.
+static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+
+pub fn init_shared_memory() {
+    pgrx::pg_shmem_init!(SLOTS);
+    SHARED_MEMORY.store(true, Ordering::Relaxed);
+}
+
+/// Called by worker `number` (1-based) once it runs; the slot is cleared when it exits.
+pub fn publish_worker(number: i32) {
+    let index = (number - 1) as usize;
+    SLOTS.get().0[index].store(unsafe { pg_sys::MyProcPid }, Ordering::Relaxed);
+    unsafe extern "C-unwind" fn clear_slot(_code: std::ffi::c_int, index: pg_sys::Datum) {
+        SLOTS.get().0[index.value()].store(0, Ordering::Relaxed);
+    }
+    unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
+}
+
+/// Asks for the workers to be woken when the current transaction commits.
+pub fn wake_workers_at_commit() {
+    if !SHARED_MEMORY.load(Ordering::Relaxed) || WAKE_AT_COMMIT.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
+        wake_workers();
+    });
+    pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
+        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
+    });
+}
+
+fn wake_workers() {
+    for slot in &SLOTS.get().0 {
+        let pid = slot.load(Ordering::Relaxed);
+        if pid != 0 {
+            unsafe {
+                let process = pg_sys::BackendPidGetProc(pid);
+                if !process.is_null() {
+                    pg_sys::SetLatch(&raw mut (*process).procLatch);
+                }
+            }
+        }
+    }
+}
