@@ -410,3 +410,73 @@ fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
     assert_eq!(jobs_in_state(&mut client, "cancelled"), 1);
     assert_eq!(metric(&mut client, "succeeded"), 0);
 }
+
+#[test]
+fn an_enqueue_wakes_a_sleeping_worker_without_waiting_for_the_poll_interval() {
+    // With a ten-minute poll interval only the commit-time wake-up can start these jobs.
+    let cluster = Cluster::start(
+        "shared_preload_libraries = 'durable_jobs'\ndurable_jobs.worker_enabled = on\n\
+         durable_jobs.poll_interval = '10min'\n",
+    );
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    for round in 1..=3 {
+        client.execute("SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', $1::int))", &[&round]).unwrap();
+        wait_until(Duration::from_secs(30), "the woken worker to run the job", || {
+            jobs_in_state(&mut client, "succeeded") == round as i64
+        });
+    }
+    // A rolled-back enqueue wakes nobody and leaves nothing.
+    let mut txn = client.transaction().unwrap();
+    txn.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 99}')", &[]).unwrap();
+    txn.rollback().unwrap();
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 3);
+}
+
+#[test]
+fn batched_claims_keep_every_effect_exactly_once() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 25\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.sometimes_fails(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 IF (payload->>'n')::integer % 10 = 0 THEN
+                     RAISE EXCEPTION 'bad row' USING ERRCODE = '22023';
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('batch', 'public.sometimes_fails(jsonb)');
+             SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('batch',
+                 ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series(1, 1000) g));",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(120), "1,000 batched jobs to finish", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 1000
+    });
+    // A failing job in a batch rolls back only its own writes.
+    assert_eq!((jobs_in_state(&mut client, "succeeded"), jobs_in_state(&mut client, "failed")), (900, 100));
+    let effects = client.query_one("SELECT count(*), count(DISTINCT n) FROM public.effects", &[]).unwrap();
+    assert_eq!((effects.get::<_, i64>(0), effects.get::<_, i64>(1)), (900, 900));
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE n % 10 = 0"), 0);
+    assert_eq!(metric(&mut client, "claimed"), 1000);
+}
+
+#[test]
+fn finished_jobs_are_pruned_after_the_retention_period() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.retention_period = 1\n"));
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    enqueue_many(&mut client, "record", 50);
+    // A job for external workers stays: retention only removes finished jobs.
+    client
+        .execute("SELECT durable_jobs.enqueue_durable_job('external_only', '{}')", &[])
+        .unwrap();
+    wait_until(Duration::from_secs(60), "finished jobs to be deleted", || {
+        count(&mut client, "SELECT count(*) FROM public.effects") == 50
+            && count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job") == 1
+    });
+    assert_eq!(jobs_in_state(&mut client, "available"), 1);
+}
