@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# durable_jobs benchmark: prints figures, each beside its ratio to the matching reference
+# measured in the same run. Never passes or fails on speed.
+#
+# Runs on a throwaway local cluster (loopback only) with default durable settings
+# (fsync = on, synchronous_commit = on) and durable_jobs preloaded. Needs the extension
+# installed (scripts/run-tests.sh or `cargo pgrx install --release`) and pgbench.
+#   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain.
+set -euo pipefail
+
+PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+bindir=$("$PG_CONFIG" --bindir)
+JOBS=${JOBS:-10000}
+DRAIN_JOBS=${DRAIN_JOBS:-20000}
+work=/var/tmp/durable_jobs_bench
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+as_postgres() {
+    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+psql_q() { as_postgres "$bindir/psql" -X -q -t -A -h 127.0.0.1 -p "$port" -d postgres -v ON_ERROR_STOP=1 "$@"; }
+pgbench_run() { as_postgres "$bindir/pgbench" -h 127.0.0.1 -p "$port" -n "$@" postgres 2>&1; }
+stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
+trap stop_cluster EXIT
+
+start_cluster() {  # $1: worker_count
+    cat <<CONF | as_postgres tee "$work/data/bench.conf" >/dev/null
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$work'
+max_connections = 40
+shared_buffers = '256MB'
+shared_preload_libraries = 'durable_jobs'
+durable_jobs.worker_count = $1
+durable_jobs.poll_interval = '1s'
+CONF
+    as_postgres "$bindir/pg_ctl" -D "$work/data" -l "$work/server.log" -w start >/dev/null
+}
+
+rm -rf "$work"
+mkdir -p "$work"
+[ "$(id -u)" -ne 0 ] || chown postgres: "$work"
+as_postgres "$bindir/initdb" -D "$work/data" --auth=trust -U postgres >/dev/null
+echo "include 'bench.conf'" | as_postgres tee -a "$work/data/postgresql.conf" >/dev/null
+start_cluster 1
+
+# pgbench scripts
+scripts=$work/scripts
+mkdir -p "$scripts"
+cat >"$scripts/update.sql" <<'SQL'
+\set aid random(1, 100000)
+UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :aid;
+SQL
+cat >"$scripts/raw_one.sql" <<'SQL'
+BEGIN;
+SELECT id FROM raw_job WHERE state = 'ready' ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED \gset
+UPDATE raw_job SET state = 'running' WHERE id = :id;
+COMMIT;
+UPDATE raw_job SET state = 'done' WHERE id = :id;
+SQL
+cat >"$scripts/raw_batch.sql" <<'SQL'
+BEGIN;
+WITH c AS (SELECT id FROM raw_job WHERE state = 'ready' ORDER BY id LIMIT 50 FOR UPDATE SKIP LOCKED),
+     u AS (UPDATE raw_job r SET state = 'running' FROM c WHERE r.id = c.id RETURNING r.id)
+SELECT array_agg(id)::text AS ids FROM u \gset
+COMMIT;
+UPDATE raw_job SET state = 'done' WHERE id = ANY (':ids'::bigint[]);
+SQL
+cat >"$scripts/api_one.sql" <<'SQL'
+SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job('bench-' || :client_id) \gset
+SELECT durable_jobs.complete_durable_job(:job_id, 'bench-' || :client_id, ':lease_token');
+SQL
+cat >"$scripts/enqueue_one.sql" <<'SQL'
+SELECT durable_jobs.enqueue_durable_job('noop', '{"n": 1}');
+SQL
+cat >"$scripts/enqueue_batch.sql" <<'SQL'
+SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('noop', array_fill('{"n": 1}'::jsonb, ARRAY[100]));
+SQL
+cat >"$scripts/enqueue_latency.sql" <<'SQL'
+SELECT durable_jobs.enqueue_durable_job('latency', '{}');
+\sleep 5 ms
+SQL
+[ "$(id -u)" -ne 0 ] || chown -R postgres: "$scripts"
+
+psql_q <<'SQL' >/dev/null
+CREATE EXTENSION durable_jobs;
+CREATE FUNCTION public.noop(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+CREATE TABLE public.started (job_started timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION public.note_start(payload jsonb) RETURNS void LANGUAGE sql
+    AS 'INSERT INTO public.started DEFAULT VALUES';
+SELECT durable_jobs.register_durable_job_handler('noop', 'public.noop(jsonb)');
+SELECT durable_jobs.register_durable_job_handler('latency', 'public.note_start(jsonb)');
+CREATE TABLE public.raw_job (id bigserial PRIMARY KEY, state text NOT NULL, payload jsonb);
+CREATE INDEX raw_job_ready ON public.raw_job (id) WHERE state = 'ready';
+SQL
+pgbench_run -i -s 1 -q >/dev/null
+
+# field of a pgbench report: tps or mean latency
+tps_of() { awk '/^tps = / {print $3}' <<<"$1"; }
+latency_of() { awk '/^latency average = / {print $4}' <<<"$1"; }
+ratio() { python3 -c "import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); print(f'{a / b:.2f}x' if b else 'n/a')" "$1" "$2"; }
+row() { printf '%-58s %12s %10s\n' "$1" "$2" "$3"; }
+reset_raw() { psql_q -c "TRUNCATE public.raw_job RESTART IDENTITY" -c "INSERT INTO public.raw_job (state, payload) SELECT 'ready', '{\"n\": 1}' FROM generate_series(1, $1)" -c "VACUUM ANALYZE public.raw_job" >/dev/null; }
+reset_jobs() {  # $1 jobs of kind $2, all available
+    psql_q -c "TRUNCATE durable_jobs.durable_job" \
+        -c "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('$2', array_fill('{\"n\": 1}'::jsonb, ARRAY[$1]))" \
+        -c "VACUUM ANALYZE durable_jobs.durable_job" >/dev/null
+}
+set_worker() {  # $1 on|off, $2 batch size
+    psql_q -c "ALTER SYSTEM SET durable_jobs.worker_enabled = $1" -c "ALTER SYSTEM SET durable_jobs.claim_batch_size = $2" -c "SELECT pg_reload_conf()" >/dev/null
+}
+per_client() { echo $(( JOBS / $1 )); }
+
+echo "durable_jobs benchmark: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), fsync on, synchronous_commit on"
+echo "figures: jobs/s unless stated; ratio = figure / matching reference"
+echo
+row "reference" "figure" "ratio"
+
+declare -A ref
+for clients in 1 2; do
+    out=$(pgbench_run -f "$scripts/update.sql" -c "$clients" -j "$clients" -T 10)
+    ref[update_$clients]=$(tps_of "$out"); ref[update_latency_$clients]=$(latency_of "$out")
+    row "pgbench single-row UPDATE, $clients client(s): tps" "${ref[update_$clients]}" ""
+    row "pgbench single-row UPDATE, $clients client(s): mean latency ms" "${ref[update_latency_$clients]}" ""
+done
+for clients in 1 2 4 8; do
+    reset_raw "$JOBS"
+    ref[raw_$clients]=$(tps_of "$(pgbench_run -f "$scripts/raw_one.sql" -c "$clients" -j "$clients" -t "$(per_client "$clients")")")
+    row "raw SKIP LOCKED, claim then complete, $clients client(s)" "${ref[raw_$clients]}" ""
+done
+for clients in 1 2; do
+    reset_raw $(( JOBS * 5 ))
+    tps=$(tps_of "$(pgbench_run -f "$scripts/raw_batch.sql" -c "$clients" -j "$clients" -t $(( JOBS / 10 / clients )))")
+    ref[raw_batch_$clients]=$(python3 -c "print(f'{$tps * 50:.0f}')")
+    row "raw SKIP LOCKED, 50 per transaction, $clients client(s)" "${ref[raw_batch_$clients]}" ""
+done
+
+echo
+row "durable_jobs" "figure" "ratio"
+drain() {  # $1 workers, $2 batch size -> jobs/s
+    set_worker off 1
+    reset_jobs "$DRAIN_JOBS" noop
+    local start end
+    start=$(date +%s.%N)
+    set_worker on "$2"
+    until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do sleep 0.05; done
+    end=$(date +%s.%N)
+    set_worker off 1
+    python3 -c "print(f'{$DRAIN_JOBS / ($end - $start):.0f}')"
+}
+for workers in 1 2; do
+    if [ "$workers" = 2 ]; then stop_cluster; start_cluster 2; fi
+    figure=$(drain "$workers" 1)
+    row "worker drain, $workers worker(s), batch 1 (vs raw, $workers client(s))" "$figure" "$(ratio "$figure" "${ref[raw_$workers]}")"
+    figure=$(drain "$workers" 50)
+    row "worker drain, $workers worker(s), batch 50 (vs raw 50/txn, $workers)" "$figure" "$(ratio "$figure" "${ref[raw_batch_$workers]}")"
+done
+stop_cluster; start_cluster 1
+
+for clients in 1 2 4 8; do
+    reset_jobs "$JOBS" external
+    figure=$(tps_of "$(pgbench_run -f "$scripts/api_one.sql" -c "$clients" -j "$clients" -t "$(per_client "$clients")")")
+    row "SQL API claim + complete, $clients connection(s) (vs raw)" "$figure" "$(ratio "$figure" "${ref[raw_$clients]}")"
+done
+
+psql_q -c "TRUNCATE durable_jobs.durable_job" -c "TRUNCATE public.started" >/dev/null
+set_worker on 1
+sleep 1
+pgbench_run -f "$scripts/enqueue_latency.sql" -c 1 -t 500 >/dev/null
+until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do sleep 0.05; done
+# Each job's start against its enqueue: the n-th start belongs to the n-th job.
+read -r p50 p99 < <(psql_q -F ' ' -c "
+    WITH j AS (SELECT created_at, row_number() OVER (ORDER BY job_id) n FROM durable_jobs.durable_job),
+         s AS (SELECT job_started, row_number() OVER (ORDER BY job_started) n FROM public.started),
+         l AS (SELECT extract(epoch FROM s.job_started - j.created_at) * 1000 ms FROM j JOIN s USING (n))
+    SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 2),
+           round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 2) FROM l")
+row "enqueue-to-start latency p50 ms (vs pgbench 1-client mean)" "$p50" "$(ratio "$p50" "${ref[update_latency_1]}")"
+row "enqueue-to-start latency p99 ms (vs pgbench 1-client mean)" "$p99" "$(ratio "$p99" "${ref[update_latency_1]}")"
+set_worker off 1
+
+for clients in 1 2; do
+    psql_q -c "TRUNCATE durable_jobs.durable_job" >/dev/null
+    figure=$(tps_of "$(pgbench_run -f "$scripts/enqueue_one.sql" -c "$clients" -j "$clients" -t "$(per_client "$clients")")")
+    row "enqueue, one job per call, $clients client(s) (vs pgbench UPDATE)" "$figure" "$(ratio "$figure" "${ref[update_$clients]}")"
+done
+psql_q -c "TRUNCATE durable_jobs.durable_job" >/dev/null
+tps=$(tps_of "$(pgbench_run -f "$scripts/enqueue_batch.sql" -c 1 -t $(( JOBS / 100 )))")
+figure=$(python3 -c "print(f'{$tps * 100:.0f}')")
+row "enqueue_durable_jobs, 100 per call, 1 client (vs pgbench UPDATE)" "$figure" "$(ratio "$figure" "${ref[update_1]}")"
+
+# Table size with jobs flowing through under retention (kept 2 s, pruned by the worker).
+psql_q -c "TRUNCATE durable_jobs.durable_job" -c "VACUUM durable_jobs.durable_job" \
+    -c "ALTER SYSTEM SET durable_jobs.retention_period = 2" -c "SELECT pg_reload_conf()" >/dev/null
+set_worker on 50
+passed=0
+size_at() { psql_q -c "SELECT pg_total_relation_size('durable_jobs.durable_job')"; }
+declare -A size
+for target in 20000 100000; do
+    while [ "$passed" -lt "$target" ]; do
+        psql_q -c "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('noop', array_fill('{\"n\": 1}'::jsonb, ARRAY[1000]))" >/dev/null
+        passed=$(( passed + 1000 ))
+        until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NULL")" = 0 ]; do sleep 0.05; done
+    done
+    sleep 3
+    size[$target]=$(size_at)
+    row "job table + indexes after $target jobs passed through, kB" "$(( size[$target] / 1024 ))" ""
+done
+row "size after 100,000 vs after 20,000" "" "$(ratio "${size[100000]}" "${size[20000]}")"
