@@ -2,6 +2,7 @@
 //! outlive the payload.
 
 use crate::arguments;
+use crate::plans;
 use crate::privilege::{as_extension_owner, caller};
 use crate::sql_types::{JsonbArray, JsonbDatum};
 use pgrx::prelude::*;
@@ -92,7 +93,7 @@ impl JobTemplate {
             self.max_attempts.into(),
             self.enqueued_by.as_str().into(),
         ];
-        let inserted = client.update(INSERT_JOB, None, &args).expect("insert job");
+        let inserted = plans::execute(client, INSERT_JOB, &args);
         if !inserted.is_empty() {
             return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
         }
@@ -100,7 +101,7 @@ impl JobTemplate {
         let key = idempotency_key.expect("a conflict implies a key");
         let args =
             [self.queue_name.as_str().into(), key.into(), self.job_kind.as_str().into(), payload.into()];
-        let existing = client.select(FIND_BY_KEY, None, &args).expect("look up idempotency key");
+        let existing = plans::execute(client, FIND_BY_KEY, &args);
         let existing = match existing.is_empty() {
             true => (None, None),
             false => existing.first().get_two::<i64, bool>().expect("existing job"),
@@ -210,8 +211,7 @@ fn enqueue_durable_jobs(
                     template.max_attempts.into(),
                     template.enqueued_by.as_str().into(),
                 ];
-                let rows = client.update(INSERT_JOBS, None, &args).expect("insert jobs");
-                rows.map(|row| row.get::<i64>(1).unwrap().unwrap()).collect()
+                plans::execute(client, INSERT_JOBS, &args).map(|row| row.get::<i64>(1).unwrap().unwrap()).collect()
             }
             // With keys: each payload goes through the idempotent insert.
             Some(keys) => {

@@ -9,6 +9,7 @@
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter};
+use crate::plans;
 use crate::privilege::with_pinned_search_path;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -39,10 +40,8 @@ struct LoadedJob {
 }
 
 fn load_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> Option<LoadedJob> {
-    Spi::connect(|client| {
-        let rows = client
-            .select(LOAD_JOB, Some(1), &[job_id.into(), worker_id.into(), lease_token.into()])
-            .expect("load claimed job");
+    Spi::connect_mut(|client| {
+        let rows = plans::execute(client, LOAD_JOB, &[job_id.into(), worker_id.into(), lease_token.into()]);
         if rows.is_empty() {
             return None;
         }
@@ -86,7 +85,9 @@ pub fn run_job(job_id: i64, worker_id: &str, lease_token: Uuid) {
 
     let outcome = in_subtransaction(|| {
         as_role_with_timeout(role, timeout_ms, || {
-            Spi::run_with_args(&handler_call, &[job.payload.as_str().into()]).expect("run handler");
+            Spi::connect_mut(|client| {
+                plans::execute(client, &handler_call, &[job.payload.as_str().into()]);
+            });
         });
         with_pinned_search_path(|| lease::complete_job(job_id, worker_id, lease_token)) == "succeeded"
     });

@@ -7,6 +7,7 @@
 
 use crate::arguments;
 use crate::failure::FailureCode;
+use crate::plans;
 use crate::privilege::{as_extension_owner, caller};
 use crate::settings;
 use crate::sql_types::JsonbDatum;
@@ -119,7 +120,7 @@ fn first_value<T: FromDatum + IntoDatum>(template: &str, args: &[DatumWithOid]) 
 /// Runs a statement and returns its first row's first column; None when there is no row.
 pub fn first_value_of<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
     Spi::connect_mut(|client| {
-        let rows = client.update(query, None, args).expect(query);
+        let rows = plans::execute(client, query, args);
         if rows.is_empty() {
             None
         } else {
@@ -178,9 +179,7 @@ pub fn claim_jobs(
                     None => DatumWithOid::null::<Vec<String>>(),
                 }
             };
-            client
-                .update(statement(EXPIRE_EXHAUSTED).as_str(), None, &[queues()])
-                .expect("expire exhausted leases");
+            plans::execute(client, &statement(EXPIRE_EXHAUSTED), &[queues()]);
             let args = [
                 queues(),
                 worker_id.into(),
@@ -188,8 +187,7 @@ pub fn claim_jobs(
                 handlers_only.into(),
                 i64::from(limit).into(),
             ];
-            let rows = client.update(CLAIM, None, &args).expect("claim jobs");
-            rows.map(|row| ClaimedJob {
+            plans::execute(client, CLAIM, &args).map(|row| ClaimedJob {
                 job_id: row.get(1).unwrap().unwrap(),
                 lease_token: row.get(2).unwrap().unwrap(),
                 lease_expires_at: row.get(3).unwrap().unwrap(),

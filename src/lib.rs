@@ -4,7 +4,7 @@
 //! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
-//! machine), `handlers` (registration), `worker` (the background worker loop), `execution`
+//! machine), `plans` (kept prepared statements), `handlers` (registration), `worker` (the background worker loop), `execution`
 //! (running one handler), `wakeup` (latches set at enqueue commit), `metrics`.
 
 use pgrx::prelude::*;
@@ -16,6 +16,7 @@ mod failure;
 mod handlers;
 mod lease;
 mod metrics;
+mod plans;
 mod privilege;
 mod settings;
 mod sql_types;

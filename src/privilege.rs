@@ -6,6 +6,7 @@
 //! hide the caller.
 
 use pgrx::pg_sys;
+use std::cell::Cell;
 use pgrx::prelude::*;
 
 pub struct Caller {
@@ -26,20 +27,34 @@ pub fn caller() -> Caller {
     }
 }
 
+thread_local! {
+    /// (extension oid, its owner), so the owner is looked up once per installation.
+    static OWNER: Cell<Option<(pg_sys::Oid, pg_sys::Oid)>> = const { Cell::new(None) };
+}
+
 fn extension_owner() -> pg_sys::Oid {
-    let owner = Spi::get_one::<pg_sys::Oid>(
-        "SELECT extowner FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs'",
-    );
-    match owner {
-        Ok(Some(oid)) => oid,
-        _ => {
-            ereport!(
-                ERROR,
-                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-                "extension durable_jobs is not installed in this database"
-            );
+    let extension = unsafe { pg_sys::get_extension_oid(c"durable_jobs".as_ptr(), true) };
+    if extension == pg_sys::Oid::INVALID {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "extension durable_jobs is not installed in this database"
+        );
+    }
+    if let Some((cached, owner)) = OWNER.get() {
+        if cached == extension {
+            return owner;
         }
     }
+    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
+        "SELECT extowner FROM pg_catalog.pg_extension WHERE oid = $1",
+        &[extension.into()],
+    )
+    .ok()
+    .flatten()
+    .expect("the extension has an owner");
+    OWNER.set(Some((extension, owner)));
+    owner
 }
 
 /// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores
