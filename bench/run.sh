@@ -33,6 +33,8 @@ shared_buffers = '256MB'
 shared_preload_libraries = 'durable_jobs'
 durable_jobs.worker_count = $1
 durable_jobs.poll_interval = '1s'
+# A busy queue table wants frequent vacuum (see docs/runbook.md, "Tuning").
+autovacuum_naptime = '5s'
 CONF
     as_postgres "$bindir/pg_ctl" -D "$work/data" -l "$work/server.log" -w start >/dev/null
 }

@@ -211,7 +211,9 @@ fn enqueue_durable_jobs(
                     template.max_attempts.into(),
                     template.enqueued_by.as_str().into(),
                 ];
-                plans::execute(client, INSERT_JOBS, &args).map(|row| row.get::<i64>(1).unwrap().unwrap()).collect()
+                plans::execute(client, INSERT_JOBS, &args)
+                    .map(|row| row.get::<i64>(1).unwrap().unwrap())
+                    .collect()
             }
             // With keys: each payload goes through the idempotent insert.
             Some(keys) => {

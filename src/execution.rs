@@ -14,61 +14,77 @@ use crate::privilege::with_pinned_search_path;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The job's payload, its handler call, the enqueuing role and the lease time left, for a job
-/// whose lease is still exactly ours. Handler or role may be gone (NULL).
-const LOAD_JOB: &str = "
-    SELECT j.payload::pg_catalog.text,
+/// For each claimed job whose lease is still exactly ours: its payload, its handler call, the
+/// enqueuing role and its lease expiry (Unix microseconds). Handler or role may be gone (NULL).
+const LOAD_JOBS: &str = "
+    SELECT j.job_id,
+           j.payload::pg_catalog.text,
            CASE p.prokind WHEN 'p' THEN 'CALL ' ELSE 'SELECT ' END
                || pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname)
                || '($1::pg_catalog.jsonb)',
            r.oid,
-           (pg_catalog.date_part('epoch', j.lease_expires_at - pg_catalog.clock_timestamp())
-               * 1000)::pg_catalog.int8
-    FROM durable_jobs.durable_job j
+           (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         AS c(job_id, lease_token)
+    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
     LEFT JOIN pg_catalog.pg_proc p ON p.oid = h.handler
     LEFT JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
-    WHERE j.job_id = $1 AND j.job_state = 'running' AND j.lease_owner = $2 AND j.lease_token = $3";
+    WHERE j.job_state = 'running' AND j.lease_owner = $3";
 
 struct LoadedJob {
     payload: String,
     handler_call: Option<String>,
     role: Option<pg_sys::Oid>,
-    lease_left_ms: i64,
+    lease_expires_unix_us: i64,
 }
 
-fn load_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> Option<LoadedJob> {
+/// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
+fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
+    let ids: Vec<i64> = jobs.iter().map(|(id, _)| *id).collect();
+    let tokens: Vec<Uuid> = jobs.iter().map(|(_, token)| *token).collect();
     Spi::connect_mut(|client| {
-        let rows = plans::execute(client, LOAD_JOB, &[job_id.into(), worker_id.into(), lease_token.into()]);
-        if rows.is_empty() {
-            return None;
-        }
-        let row = rows.first();
-        Some(LoadedJob {
-            payload: row.get(1).unwrap().unwrap(),
-            handler_call: row.get(2).unwrap(),
-            role: row.get(3).unwrap(),
-            lease_left_ms: row.get(4).unwrap().unwrap(),
-        })
+        plans::execute(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
+            .map(|row| {
+                let job = LoadedJob {
+                    payload: row.get(2).unwrap().unwrap(),
+                    handler_call: row.get(3).unwrap(),
+                    role: row.get(4).unwrap(),
+                    lease_expires_unix_us: row.get(5).unwrap().unwrap(),
+                };
+                (row.get::<i64>(1).unwrap().unwrap(), job)
+            })
+            .collect()
     })
 }
 
-/// The statement timeout for a handler: the lease left, less a margin so that the fenced
-/// failure still lands inside the lease.
-fn handler_timeout_ms(lease_left_ms: i64) -> Option<i32> {
+/// The statement timeout for a handler: the lease left now, less a margin so that the fenced
+/// failure still lands inside the lease. None when too little is left to start.
+fn handler_timeout_ms(lease_expires_unix_us: i64) -> Option<i32> {
+    let now_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64);
+    let lease_left_ms = (lease_expires_unix_us - now_us) / 1000;
     let margin = (lease_left_ms / 10).clamp(100, 2000);
     let timeout = lease_left_ms - margin;
     (timeout >= 10).then(|| timeout.min(i32::MAX as i64) as i32)
 }
 
-/// Runs the claimed job; the caller's transaction commits whatever this leaves in place.
-pub fn run_job(job_id: i64, worker_id: &str, lease_token: Uuid) {
-    let Some(job) = with_pinned_search_path(|| load_job(job_id, worker_id, lease_token)) else {
-        metrics::count(Counter::Stale);
-        return;
-    };
+/// Runs a batch of claimed jobs, each in its own subtransaction; the caller's transaction
+/// commits whatever this leaves in place.
+pub fn run_jobs(jobs: &[(i64, Uuid)], worker_id: &str) {
+    let mut loaded = with_pinned_search_path(|| load_jobs(jobs, worker_id));
+    for (job_id, lease_token) in jobs {
+        match loaded.remove(job_id) {
+            Some(job) => run_job(*job_id, *lease_token, worker_id, job),
+            None => metrics::count(Counter::Stale),
+        }
+    }
+}
+
+fn run_job(job_id: i64, lease_token: Uuid, worker_id: &str, job: LoadedJob) {
     let fail = |code: FailureCode| {
         let outcome = with_pinned_search_path(|| lease::fail_job(job_id, worker_id, lease_token, code));
         metrics::count(Counter::for_outcome(outcome));
@@ -78,7 +94,7 @@ pub fn run_job(job_id: i64, worker_id: &str, lease_token: Uuid) {
         fail(FailureCode::TargetRejected);
         return;
     };
-    let Some(timeout_ms) = handler_timeout_ms(job.lease_left_ms) else {
+    let Some(timeout_ms) = handler_timeout_ms(job.lease_expires_unix_us) else {
         metrics::count(Counter::Stale);
         return;
     };

@@ -23,8 +23,10 @@ const RELEASE_LEASE: &str = "lease_owner = NULL, lease_token = NULL, lease_expir
 const LEASE_FENCE: &str = "job_id = $1 AND job_state = 'running' AND lease_owner = $2 \
                            AND lease_token = $3 AND lease_expires_at > pg_catalog.clock_timestamp()";
 
-/// Expired leases with no attempts left end here instead of being claimed again.
-const EXPIRE_EXHAUSTED: &str = "
+// One statement: first, expired leases with no attempts left end as `lease_expired` instead of
+// being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
+// touch disjoint rows (attempts used up or not).
+const CLAIM: &str = "
     WITH exhausted AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE job_state = 'running'
@@ -33,14 +35,14 @@ const EXPIRE_EXHAUSTED: &str = "
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
         ORDER BY lease_expires_at
         LIMIT 100
-        FOR UPDATE SKIP LOCKED)
-    UPDATE durable_jobs.durable_job j
-    SET job_state = 'failed', last_failure_code = 'lease_expired',
-        finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
-    FROM exhausted WHERE j.job_id = exhausted.job_id";
-
-const CLAIM: &str = "
-    WITH candidate AS (
+        FOR UPDATE SKIP LOCKED),
+    expired AS (
+        UPDATE durable_jobs.durable_job x
+        SET job_state = 'failed', last_failure_code = 'lease_expired',
+            finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
+        FROM exhausted WHERE x.job_id = exhausted.job_id
+        RETURNING x.job_id),
+    candidate AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
                OR (job_state = 'running'
@@ -173,30 +175,28 @@ pub fn claim_jobs(
 ) -> Vec<ClaimedJob> {
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            let queues = || -> DatumWithOid {
-                match queue_names {
-                    Some(names) => names.to_vec().into(),
-                    None => DatumWithOid::null::<Vec<String>>(),
-                }
+            let queues: DatumWithOid = match queue_names {
+                Some(names) => names.to_vec().into(),
+                None => DatumWithOid::null::<Vec<String>>(),
             };
-            plans::execute(client, &statement(EXPIRE_EXHAUSTED), &[queues()]);
             let args = [
-                queues(),
+                queues,
                 worker_id.into(),
                 f64::from(lease_seconds).into(),
                 handlers_only.into(),
                 i64::from(limit).into(),
             ];
-            plans::execute(client, CLAIM, &args).map(|row| ClaimedJob {
-                job_id: row.get(1).unwrap().unwrap(),
-                lease_token: row.get(2).unwrap().unwrap(),
-                lease_expires_at: row.get(3).unwrap().unwrap(),
-                job_kind: row.get(4).unwrap().unwrap(),
-                payload: row.get(5).unwrap().unwrap(),
-                attempt_count: row.get(6).unwrap().unwrap(),
-                max_attempts: row.get(7).unwrap().unwrap(),
-            })
-            .collect()
+            plans::execute(client, &statement(CLAIM), &args)
+                .map(|row| ClaimedJob {
+                    job_id: row.get(1).unwrap().unwrap(),
+                    lease_token: row.get(2).unwrap().unwrap(),
+                    lease_expires_at: row.get(3).unwrap().unwrap(),
+                    job_kind: row.get(4).unwrap().unwrap(),
+                    payload: row.get(5).unwrap().unwrap(),
+                    attempt_count: row.get(6).unwrap().unwrap(),
+                    max_attempts: row.get(7).unwrap().unwrap(),
+                })
+                .collect()
         })
     })
 }

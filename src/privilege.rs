@@ -6,8 +6,8 @@
 //! hide the caller.
 
 use pgrx::pg_sys;
-use std::cell::Cell;
 use pgrx::prelude::*;
+use std::cell::Cell;
 
 pub struct Caller {
     pub role_oid: pg_sys::Oid,

@@ -90,11 +90,7 @@ fn poll_once(worker_id: &str) -> bool {
             for _ in &jobs {
                 metrics::count(Counter::Claimed);
             }
-            BackgroundWorker::transaction(|| {
-                for (job_id, lease_token) in jobs {
-                    execution::run_job(job_id, worker_id, lease_token);
-                }
-            });
+            BackgroundWorker::transaction(|| execution::run_jobs(&jobs, worker_id));
             true
         }
     }
