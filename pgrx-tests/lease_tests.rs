@@ -269,3 +269,25 @@ fn extend_moves_the_expiry_and_is_fenced() {
     );
     assert_eq!(late, Ok(None), "an expired lease cannot be revived");
 }
+
+#[pg_test]
+fn lapsed_and_available_jobs_compete_in_claim_order() {
+    let enqueue_with_priority = |priority: i32| -> i64 {
+        Spi::get_one_with_args::<i64>(
+            "SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'default', now(), NULL, $1)",
+            &[priority.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let lapsed_low = enqueue_with_priority(1);
+    let lapsed_high = enqueue_with_priority(9);
+    for _ in 0..2 {
+        claim("w1").unwrap();
+    }
+    expire_lease(lapsed_low);
+    expire_lease(lapsed_high);
+    let available_mid = enqueue_with_priority(5);
+    let order: Vec<i64> = (0..3).map(|_| claim("w2").unwrap().0).collect();
+    assert_eq!(order, vec![lapsed_high, available_mid, lapsed_low]);
+}
