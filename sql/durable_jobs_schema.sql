@@ -70,12 +70,12 @@ CREATE UNIQUE INDEX durable_job_idempotency_key_idx
     ON durable_jobs.durable_job (queue_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 
--- Claim order over available jobs. Running jobs leave it, so claimers do not wade through them.
+-- Claim order over the jobs a claim can take.
 CREATE INDEX durable_job_claim_order_idx
     ON durable_jobs.durable_job (priority DESC, run_after, job_id)
-    WHERE job_state = 'available';
+    WHERE job_state IN ('available', 'running');
 
--- Leases by expiry, for reclaiming and for expiring exhausted jobs.
+-- Expired leases, for reclaiming and for expiring exhausted jobs.
 CREATE INDEX durable_job_lease_expiry_idx
     ON durable_jobs.durable_job (lease_expires_at)
     WHERE job_state = 'running';

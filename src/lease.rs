@@ -42,31 +42,17 @@ const CLAIM: &str = "
             finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
         FROM exhausted WHERE x.job_id = exhausted.job_id
         RETURNING x.job_id),
-    -- The best available jobs, and the best running jobs whose lease expired with attempts
-    -- left; each set from its own index. Then the best of both, in claim order.
-    available AS (
-        SELECT job_id FROM durable_jobs.durable_job
-        WHERE job_state = 'available' AND run_after <= pg_catalog.now()
-          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-          AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
-        ORDER BY priority DESC, run_after, job_id
-        LIMIT $5
-        FOR UPDATE SKIP LOCKED),
-    lapsed AS (
-        SELECT job_id FROM durable_jobs.durable_job
-        WHERE job_state = 'running'
-          AND lease_expires_at <= pg_catalog.clock_timestamp()
-          AND attempt_count < max_attempts
-          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-          AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
-        ORDER BY priority DESC, run_after, job_id
-        LIMIT $5
-        FOR UPDATE SKIP LOCKED),
     candidate AS (
         SELECT job_id FROM durable_jobs.durable_job
-        WHERE job_id IN (SELECT job_id FROM available UNION ALL SELECT job_id FROM lapsed)
+        WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
+               OR (job_state = 'running'
+                   AND lease_expires_at <= pg_catalog.clock_timestamp()
+                   AND attempt_count < max_attempts))
+          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+          AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
-        LIMIT $5)
+        LIMIT $5
+        FOR UPDATE SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET job_state = 'running',
         lease_owner = $2,
