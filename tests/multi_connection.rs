@@ -241,6 +241,7 @@ fn documented_roles_can_do_exactly_their_part() {
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, other_producer, app_worker;
              GRANT EXECUTE ON FUNCTION
                  durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer),
                  durable_jobs.cancel_durable_job(bigint)
                TO app_producer, other_producer;
              GRANT EXECUTE ON FUNCTION
@@ -266,6 +267,12 @@ fn documented_roles_can_do_exactly_their_part() {
         .unwrap()
         .get(0);
     assert_eq!(enqueued_by, "app_producer");
+    let batch = producer
+        .query("SELECT * FROM durable_jobs.enqueue_durable_jobs('mail', ARRAY['{}', '{}']::jsonb[])", &[])
+        .unwrap();
+    assert_eq!(batch.len(), 2);
+    // Only the first job takes part in what follows.
+    admin.batch_execute(&format!("DELETE FROM durable_jobs.durable_job WHERE job_id <> {job_id}")).unwrap();
 
     let denied = |client: &mut Client, statement: &str| {
         let error = client.batch_execute(statement).expect_err(statement);
