@@ -152,3 +152,24 @@ fn metrics_have_a_fixed_set_of_names() {
     let value = |name: &str| metrics.iter().find(|(n, _)| n == name).unwrap().1;
     assert_eq!((value("jobs_available"), value("jobs_running"), value("jobs_succeeded")), (1, 1, 0));
 }
+
+#[pg_test]
+fn prometheus_exposition_has_fixed_names_and_types() {
+    enqueue("k", r#"{"secret": "not in metrics"}"#);
+    let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
+    let expected_counters = ["idle_polls", "claimed", "succeeded", "retried", "failed", "stale"];
+    for counter in expected_counters {
+        let name = format!("durable_jobs_{counter}_total");
+        assert!(text.contains(&format!("# TYPE {name} counter\n")), "{text}");
+        assert!(text.contains(&format!("\n{name} 0\n")), "{text}");
+    }
+    assert!(text.contains("# TYPE durable_jobs_jobs gauge\n"));
+    assert!(text.contains("durable_jobs_jobs{state=\"available\"} 1\n"), "{text}");
+    assert!(text.contains("durable_jobs_jobs{state=\"cancelled\"} 0\n"), "{text}");
+    assert!(!text.contains("secret"));
+    // Every sample line names a durable_jobs_ metric; every metric has HELP and TYPE.
+    let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(samples.len(), 11);
+    assert!(samples.iter().all(|l| l.starts_with("durable_jobs_")));
+    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 7);
+}

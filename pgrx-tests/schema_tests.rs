@@ -101,7 +101,9 @@ fn every_function_pins_search_path_and_declares_volatility() {
            AND p.proname IN ('enqueue_durable_job', 'enqueue_durable_jobs', 'claim_next_durable_job',
                              'complete_durable_job', 'fail_durable_job', 'extend_durable_job_lease',
                              'cancel_durable_job', 'register_durable_job_handler',
-                             'unregister_durable_job_handler', 'durable_job_metrics')",
+                             'unregister_durable_job_handler', 'durable_job_metrics',
+                             'durable_job_metrics_prometheus', 'pause_durable_job_queue',
+                             'resume_durable_job_queue')",
     );
-    assert_eq!(api_functions, 10);
+    assert_eq!(api_functions, 13);
 }

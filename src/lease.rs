@@ -49,6 +49,7 @@ const CLAIM: &str = "
                    AND lease_expires_at <= pg_catalog.clock_timestamp()
                    AND attempt_count < max_attempts))
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+          AND queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q WHERE q.paused))
           AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
         LIMIT $5

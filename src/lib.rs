@@ -4,7 +4,7 @@
 //! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
-//! machine), `plans` (kept prepared statements), `handlers` (registration), `worker` (the background worker loop), `execution`
+//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause and resume), `worker` (the background worker loop), `execution`
 //! (running one handler), `wakeup` (latches set at enqueue commit), `metrics`.
 
 use pgrx::prelude::*;
@@ -18,6 +18,7 @@ mod lease;
 mod metrics;
 mod plans;
 mod privilege;
+mod queues;
 mod settings;
 mod sql_types;
 mod wakeup;
@@ -29,6 +30,7 @@ mod worker;
 // pgrx has created every function (CREATE FUNCTION grants EXECUTE to PUBLIC by default).
 extension_sql_file!("../sql/durable_jobs_schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/durable_jobs_handlers.sql", name = "handlers", requires = ["schema"]);
+extension_sql_file!("../sql/durable_jobs_queues.sql", name = "queues", requires = ["schema"]);
 extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
@@ -58,6 +60,7 @@ mod tests {
     include!("../pgrx-tests/schema_tests.rs");
     include!("../pgrx-tests/handler_tests.rs");
     include!("../pgrx-tests/security_tests.rs");
+    include!("../pgrx-tests/queue_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.

@@ -26,6 +26,17 @@ impl Counter {
         Counter::Stale,
     ];
 
+    fn help(self) -> &'static str {
+        match self {
+            Counter::IdlePolls => "Background worker polls that found no job.",
+            Counter::Claimed => "Jobs the background workers claimed.",
+            Counter::Succeeded => "Handler runs that committed with their job's success.",
+            Counter::Retried => "Handler failures that sent the job back for another attempt.",
+            Counter::Failed => "Handler failures that ended the job.",
+            Counter::Stale => "Claimed jobs whose lease was lost before the worker finished them.",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Counter::IdlePolls => "idle_polls",
@@ -85,9 +96,8 @@ const JOBS_PER_STATE: &str = "
          WITH ORDINALITY AS s(state, position)
     ORDER BY s.position";
 
-#[pg_extern(volatile, parallel_unsafe)]
-#[search_path(pg_catalog, pg_temp)]
-fn durable_job_metrics() -> TableIterator<'static, (name!(metric_name, String), name!(metric_value, i64))> {
+/// Counters, then `jobs_<state>` gauges, always the same names in the same order.
+fn collect() -> Vec<(String, i64)> {
     let mut metrics: Vec<(String, i64)> =
         Counter::ALL.iter().map(|c| (c.name().to_string(), counter_value(*c))).collect();
     as_extension_owner(|| {
@@ -97,5 +107,31 @@ fn durable_job_metrics() -> TableIterator<'static, (name!(metric_name, String), 
             }
         })
     });
-    TableIterator::new(metrics)
+    metrics
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn durable_job_metrics() -> TableIterator<'static, (name!(metric_name, String), name!(metric_value, i64))> {
+    TableIterator::new(collect())
+}
+
+/// The same metrics in Prometheus' text exposition format, for exporters that run a query.
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn durable_job_metrics_prometheus() -> String {
+    let metrics = collect();
+    let mut text = String::new();
+    for (counter, (_, value)) in Counter::ALL.iter().zip(&metrics) {
+        let name = format!("durable_jobs_{}_total", counter.name());
+        text.push_str(&format!("# HELP {name} {}\n# TYPE {name} counter\n{name} {value}\n", counter.help()));
+    }
+    text.push_str(
+        "# HELP durable_jobs_jobs Jobs in the queue table, by state.\n# TYPE durable_jobs_jobs gauge\n",
+    );
+    for (name, value) in &metrics[Counter::ALL.len()..] {
+        let state = name.trim_start_matches("jobs_");
+        text.push_str(&format!("durable_jobs_jobs{{state=\"{state}\"}} {value}\n"));
+    }
+    text
 }

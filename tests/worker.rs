@@ -422,7 +422,12 @@ fn an_enqueue_wakes_a_sleeping_worker_without_waiting_for_the_poll_interval() {
     client.batch_execute(EFFECTS).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     for round in 1..=3 {
-        client.execute("SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', $1::int))", &[&round]).unwrap();
+        client
+            .execute(
+                "SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', $1::int))",
+                &[&round],
+            )
+            .unwrap();
         wait_until(Duration::from_secs(30), "the woken worker to run the job", || {
             jobs_in_state(&mut client, "succeeded") == round as i64
         });
@@ -454,7 +459,8 @@ fn batched_claims_keep_every_effect_exactly_once() {
         )
         .unwrap();
     wait_until(Duration::from_secs(120), "1,000 batched jobs to finish", || {
-        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 1000
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL")
+            == 1000
     });
     // A failing job in a batch rolls back only its own writes.
     assert_eq!((jobs_in_state(&mut client, "succeeded"), jobs_in_state(&mut client, "failed")), (900, 100));
@@ -471,12 +477,25 @@ fn finished_jobs_are_pruned_after_the_retention_period() {
     client.batch_execute(EFFECTS).unwrap();
     enqueue_many(&mut client, "record", 50);
     // A job for external workers stays: retention only removes finished jobs.
-    client
-        .execute("SELECT durable_jobs.enqueue_durable_job('external_only', '{}')", &[])
-        .unwrap();
+    client.execute("SELECT durable_jobs.enqueue_durable_job('external_only', '{}')", &[]).unwrap();
     wait_until(Duration::from_secs(60), "finished jobs to be deleted", || {
         count(&mut client, "SELECT count(*) FROM public.effects") == 50
             && count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job") == 1
     });
     assert_eq!(jobs_in_state(&mut client, "available"), 1);
+}
+
+#[test]
+fn the_worker_leaves_a_paused_queue_alone_until_it_is_resumed() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    client.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    enqueue_many(&mut client, "record", 5);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(jobs_in_state(&mut client, "available"), 5, "nothing claimed from a paused queue");
+    client.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the resumed queue to drain", || {
+        jobs_in_state(&mut client, "succeeded") == 5
+    });
 }
