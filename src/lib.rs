@@ -61,6 +61,7 @@ mod tests {
     include!("../pgrx-tests/handler_tests.rs");
     include!("../pgrx-tests/security_tests.rs");
     include!("../pgrx-tests/queue_tests.rs");
+    include!("../pgrx-tests/docs_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.
@@ -69,6 +70,8 @@ pub mod pg_test {
     pub fn setup(_options: Vec<&str>) {}
 
     pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec![]
+        // Preloaded, as in production: shared memory and the restart-only settings exist. The
+        // worker stays off (the default) and its database has no extension, so it only waits.
+        vec!["shared_preload_libraries = 'durable_jobs'"]
     }
 }

@@ -44,6 +44,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
     BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), None);
+    set_application_name(number);
     wakeup::publish_worker(number);
     log!("{WORKER_TYPE} {number} started");
 
@@ -65,6 +66,19 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
+}
+
+/// Names the worker in pg_stat_activity.application_name, beside its backend_type.
+fn set_application_name(number: i32) {
+    let name = std::ffi::CString::new(format!("{WORKER_TYPE} {number}")).expect("no NUL");
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"application_name".as_ptr(),
+            name.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+    }
 }
 
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs and run them, each in its own

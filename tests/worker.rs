@@ -65,6 +65,17 @@ fn a_thousand_jobs_each_take_effect_exactly_once() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n"));
     let mut client = cluster.connect();
     wait_until(Duration::from_secs(10), "two workers", || cluster.worker_pids(&mut client).len() == 2);
+    let names: Vec<String> = client
+        .query(
+            "SELECT application_name FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' ORDER BY application_name",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(names, ["durable_jobs worker 1", "durable_jobs worker 2"]);
     client.batch_execute(EFFECTS).unwrap();
     // A kind without a handler is left for external workers.
     client.execute("SELECT durable_jobs.enqueue_durable_job('external_only', '{}')", &[]).unwrap();
