@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing durable_jobs needs on Debian, skipping what is present:
 # PostgreSQL 15 with its server headers, clang for pgrx's bindgen, sudo (pgrx runs the test
-# cluster through it), and cargo-pgrx 0.18.0 initialised against the system PostgreSQL 15.
+# cluster through it), python3's psycopg for the example worker, and cargo-pgrx 0.18.0
+# initialised against the system PostgreSQL 15.
 set -euo pipefail
 
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
@@ -9,7 +10,7 @@ PGRX_VERSION=0.18.0
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 
-packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo)
+packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3 python3-pip)
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
@@ -19,6 +20,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "Installing ${missing[*]}"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# psycopg 3 for the Python example worker (docs/examples/python), which the tests run.
+if ! python3 -c "import psycopg" 2>/dev/null; then
+    echo "Installing psycopg for python3"
+    python3 -m pip install --quiet --disable-pip-version-check "psycopg[binary]>=3.1"
 fi
 
 if ! cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION\$"; then

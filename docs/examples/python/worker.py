@@ -1,0 +1,124 @@
+"""An external durable_jobs worker in Python (psycopg 3).
+
+Loop: claim a job -> work on it while a heartbeat extends the lease -> complete it in the same
+transaction as its effects, or fail it with a stable failure code. SIGTERM (or Ctrl-C) stops it
+cleanly: the job in hand is finished first, and nothing new is claimed.
+
+    DURABLE_JOBS_DSN="host=127.0.0.1 dbname=app user=app_worker" python3 worker.py
+
+The role needs EXECUTE on claim_next_durable_job, complete_durable_job, fail_durable_job and
+extend_durable_job_lease (docs/runbook.md, "Roles and privileges"), plus whatever the work
+itself writes. This example's work: kind `greet` inserts payload["name"] into public.greetings,
+after sleeping payload["seconds"] (default 0) to stand for slow work.
+"""
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import psycopg
+
+LEASE_SECONDS = int(os.environ.get("DURABLE_JOBS_LEASE_SECONDS", "30"))
+IDLE_SLEEP = 0.2
+
+
+class PermanentFailure(Exception):
+    """A failure no retry will fix: the job is failed at once."""
+
+    code = "invalid_request"
+
+
+class TransientFailure(Exception):
+    """A failure worth retrying: the job comes back after a backoff while attempts remain."""
+
+    code = "target_unavailable"
+
+
+def do_work(conn, job_kind, payload):
+    """Runs inside the transaction that completes the job, so its writes commit with it."""
+    if job_kind != "greet":
+        raise PermanentFailure(f"unknown job kind {job_kind}")
+    if payload.get("fail") == "transient":
+        raise TransientFailure("the target is down")
+    time.sleep(float(payload.get("seconds", 0)))
+    conn.execute("INSERT INTO public.greetings (name) VALUES (%s)", (payload["name"],))
+
+
+class Heartbeat(threading.Thread):
+    """Extends the lease on its own connection every third of the lease while work runs."""
+
+    def __init__(self, dsn, job_id, worker_id, lease_token):
+        super().__init__(daemon=True)
+        self.args = (job_id, worker_id, lease_token, LEASE_SECONDS)
+        self.done = threading.Event()
+        self.lost = threading.Event()
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def run(self):
+        while not self.done.wait(LEASE_SECONDS / 3):
+            expiry = self.conn.execute(
+                "SELECT durable_jobs.extend_durable_job_lease(%s, %s, %s, %s)", self.args
+            ).fetchone()[0]
+            if expiry is None:  # stale: the lease is gone; our completion will be refused
+                self.lost.set()
+                return
+
+    def stop(self):
+        self.done.set()
+        self.join()
+        self.conn.close()
+
+
+def run_one(dsn, conn, worker_id):
+    """Claims and handles one job; returns False when the queue had none ready."""
+    row = conn.execute(
+        "SELECT job_id, lease_token, job_kind, payload"
+        " FROM durable_jobs.claim_next_durable_job(%s, NULL, %s)",
+        (worker_id, LEASE_SECONDS),
+    ).fetchone()
+    if row is None:
+        return False
+    job_id, lease_token, job_kind, payload = row
+    heartbeat = Heartbeat(dsn, job_id, worker_id, lease_token)
+    heartbeat.start()
+    try:
+        with conn.transaction() as txn:
+            do_work(conn, job_kind, payload)
+            outcome = conn.execute(
+                "SELECT durable_jobs.complete_durable_job(%s, %s, %s)", (job_id, worker_id, lease_token)
+            ).fetchone()[0]
+            if outcome == "stale":
+                # Someone else owns the job now: drop our effects.
+                raise psycopg.Rollback(txn)
+    except (PermanentFailure, TransientFailure) as failure:
+        conn.execute(
+            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, %s)",
+            (job_id, worker_id, lease_token, failure.code),
+        )
+    except Exception:
+        conn.execute(
+            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, 'unexpected_failure')",
+            (job_id, worker_id, lease_token),
+        )
+    finally:
+        heartbeat.stop()
+    return True
+
+
+def main():
+    dsn = os.environ["DURABLE_JOBS_DSN"]
+    worker_id = os.environ.get("DURABLE_JOBS_WORKER_ID", f"py-{socket.gethostname()}-{os.getpid()}")
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stopping.is_set():
+            if not run_one(dsn, conn, worker_id):
+                stopping.wait(IDLE_SLEEP)
+    print(f"{worker_id} stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

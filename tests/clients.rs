@@ -1,0 +1,81 @@
+//! The example external workers of docs/examples run against a real cluster: they claim, keep
+//! their lease alive through slow work, complete with their effects or fail with a stable code,
+//! and stop cleanly on SIGTERM.
+
+use harness::{count, wait_until, Cluster};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SETUP: &str = "
+    CREATE TABLE public.greetings (name text);
+    SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"alice\"}');
+    -- Slower than its 1 s lease: only lease extension keeps it from being reclaimed.
+    SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"bob\", \"seconds\": 2.5}');
+    SELECT durable_jobs.enqueue_durable_job('mystery', '{}');
+    SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"carol\", \"fail\": \"transient\"}',
+                                            NULL, 'default', now(), 1);";
+
+fn examples_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/examples")
+}
+
+/// Waits for the example to finish the four jobs, stops it with SIGTERM and checks the outcome.
+fn check_example_worker(cluster: &Cluster, mut worker: Child) {
+    let mut client = cluster.connect();
+    wait_until(Duration::from_secs(60), "the example worker to finish every job", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NULL") == 0
+    });
+    let terminated = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
+    assert!(terminated.success());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = worker.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the worker did not stop after SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = worker.wait_with_output().unwrap();
+    assert!(status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("stopped"));
+
+    let outcome = |client: &mut postgres::Client, selector: &str| -> (String, Option<String>, i32) {
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job WHERE {selector}"
+                ),
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1), row.get(2))
+    };
+    let succeeded = ("succeeded".to_string(), None, 1);
+    assert_eq!(outcome(&mut client, "job_id = 1"), succeeded);
+    assert_eq!(outcome(&mut client, "job_id = 2"), succeeded, "the slow job kept its lease");
+    assert_eq!(outcome(&mut client, "job_kind = 'mystery'"), ("failed".into(), Some("invalid_request".into()), 1));
+    assert_eq!(outcome(&mut client, "job_id = 4"), ("failed".into(), Some("target_unavailable".into()), 1));
+    let names: Vec<String> = client
+        .query("SELECT name FROM public.greetings ORDER BY name", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(names, ["alice", "bob"], "effects of succeeded jobs only, once each");
+}
+
+#[test]
+fn the_python_example_worker_runs_and_stops_cleanly() {
+    let cluster = Cluster::start("");
+    cluster.connect().batch_execute(SETUP).unwrap();
+    let worker = Command::new("python3")
+        .arg(examples_dir().join("python/worker.py"))
+        .env("DURABLE_JOBS_DSN", cluster.connection_string())
+        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 with psycopg (scripts/install-prerequisites.sh installs it)");
+    check_example_worker(&cluster, worker);
+}
