@@ -10,7 +10,7 @@ PGRX_VERSION=0.18.0
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 
-packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3 python3-pip)
+packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3)
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
@@ -23,9 +23,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # psycopg 3 for the Python example worker (docs/examples/python), which the tests run.
+# Debian's own python3 refuses pip installs (PEP 668): it gets Debian's python3-psycopg.
 if ! python3 -c "import psycopg" 2>/dev/null; then
     echo "Installing psycopg for python3"
-    python3 -m pip install --quiet --disable-pip-version-check "psycopg[binary]>=3.1"
+    python3 -m pip install --quiet --disable-pip-version-check "psycopg[binary]>=3.1" 2>/dev/null ||
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-psycopg >/dev/null
 fi
 
 if ! cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION\$"; then
