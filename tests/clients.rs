@@ -79,3 +79,27 @@ fn the_python_example_worker_runs_and_stops_cleanly() {
         .expect("python3 with psycopg (scripts/install-prerequisites.sh installs it)");
     check_example_worker(&cluster, worker);
 }
+
+#[test]
+fn the_rust_example_worker_runs_and_stops_cleanly() {
+    let manifest = examples_dir().join("rust/Cargo.toml");
+    let target = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/example-rust");
+    let built = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .status()
+        .expect("cargo build of the Rust example");
+    assert!(built.success());
+    let cluster = Cluster::start("");
+    cluster.connect().batch_execute(SETUP).unwrap();
+    let worker = Command::new(target.join("debug/durable_jobs_example_worker"))
+        .env("DURABLE_JOBS_DSN", cluster.connection_string())
+        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the built Rust example");
+    check_example_worker(&cluster, worker);
+}

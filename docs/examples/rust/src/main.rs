@@ -1,0 +1,142 @@
+//! An external durable_jobs worker in Rust, with the synchronous `postgres` crate.
+//!
+//! Loop: claim a job -> work on it while a heartbeat thread extends the lease -> complete it in
+//! the same transaction as its effects, or fail it with a stable failure code. SIGTERM (or
+//! Ctrl-C) stops it cleanly: the job in hand is finished first, and nothing new is claimed.
+//!
+//!     DURABLE_JOBS_DSN="host=127.0.0.1 dbname=app user=app_worker" cargo run --release
+//!
+//! The role needs EXECUTE on claim_next_durable_job, complete_durable_job, fail_durable_job and
+//! extend_durable_job_lease (docs/runbook.md, "Roles and privileges"), plus whatever the work
+//! writes. This example's work: kind `greet` inserts payload["name"] into public.greetings,
+//! after sleeping payload["seconds"] (default 0) to stand for slow work.
+
+use postgres::{Client, NoTls, Transaction};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+/// Why a job failed, as one of durable_jobs' stable failure codes.
+enum Failure {
+    /// No retry will fix it.
+    Permanent,
+    /// Worth retrying after a backoff, while attempts remain.
+    Transient,
+}
+
+impl Failure {
+    fn code(&self) -> &'static str {
+        match self {
+            Failure::Permanent => "invalid_request",
+            Failure::Transient => "target_unavailable",
+        }
+    }
+}
+
+/// Runs inside the transaction that completes the job, so its writes commit with it.
+fn do_work(txn: &mut Transaction, job_kind: &str, payload: &str) -> Result<(), Failure> {
+    if job_kind != "greet" {
+        return Err(Failure::Permanent);
+    }
+    let row = txn
+        .query_one(
+            "SELECT $1::text::jsonb->>'name', ($1::text::jsonb->>'fail') = 'transient',
+                    coalesce(($1::text::jsonb->>'seconds')::float8, 0)",
+            &[&payload],
+        )
+        .map_err(|_| Failure::Permanent)?;
+    let (name, transient, seconds): (Option<String>, Option<bool>, f64) = (row.get(0), row.get(1), row.get(2));
+    if transient == Some(true) {
+        return Err(Failure::Transient);
+    }
+    thread::sleep(Duration::from_secs_f64(seconds));
+    let name = name.ok_or(Failure::Permanent)?;
+    txn.execute("INSERT INTO public.greetings (name) VALUES ($1)", &[&name]).map_err(|_| Failure::Transient)?;
+    Ok(())
+}
+
+/// Extends the lease on its own connection every third of the lease until told to stop.
+fn heartbeat(dsn: String, job_id: i64, worker_id: String, token: String, lease: i32) -> mpsc::Sender<()> {
+    let (stop, stopped) = mpsc::channel::<()>();
+    thread::spawn(move || {
+        let Ok(mut client) = Client::connect(&dsn, NoTls) else { return };
+        let every = Duration::from_millis((lease as u64 * 1000) / 3);
+        while stopped.recv_timeout(every) == Err(mpsc::RecvTimeoutError::Timeout) {
+            let extended = client.query_one(
+                "SELECT durable_jobs.extend_durable_job_lease($1, $2, $3::text::uuid, $4) IS NOT NULL",
+                &[&job_id, &worker_id, &token, &lease],
+            );
+            // A stale lease cannot be revived: our completion will be refused.
+            if !matches!(extended.map(|row| row.get::<_, bool>(0)), Ok(true)) {
+                return;
+            }
+        }
+    });
+    stop
+}
+
+/// Claims and handles one job; Ok(false) when none was ready.
+fn run_one(client: &mut Client, dsn: &str, worker_id: &str, lease: i32) -> Result<bool, postgres::Error> {
+    let Some(row) = client.query_opt(
+        "SELECT job_id, lease_token::text, job_kind, payload::text
+         FROM durable_jobs.claim_next_durable_job($1, NULL, $2)",
+        &[&worker_id, &lease],
+    )?
+    else {
+        return Ok(false);
+    };
+    let (job_id, token, job_kind, payload): (i64, String, String, String) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let stop_heartbeat = heartbeat(dsn.to_owned(), job_id, worker_id.to_owned(), token.clone(), lease);
+
+    let mut txn = client.transaction()?;
+    let failure = match do_work(&mut txn, &job_kind, &payload) {
+        Ok(()) => {
+            let outcome: String = txn
+                .query_one(
+                    "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
+                    &[&job_id, &worker_id, &token],
+                )?
+                .get(0);
+            // Stale: someone else owns the job now, so our effects must not count.
+            if outcome == "succeeded" {
+                txn.commit()?;
+            } else {
+                txn.rollback()?;
+            }
+            None
+        }
+        Err(failure) => {
+            txn.rollback()?;
+            Some(failure)
+        }
+    };
+    if let Some(failure) = failure {
+        client.execute(
+            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)",
+            &[&job_id, &worker_id, &token, &failure.code()],
+        )?;
+    }
+    let _ = stop_heartbeat.send(());
+    Ok(true)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dsn = std::env::var("DURABLE_JOBS_DSN")?;
+    let worker_id = std::env::var("DURABLE_JOBS_WORKER_ID").unwrap_or_else(|_| format!("rs-{}", std::process::id()));
+    let lease: i32 = std::env::var("DURABLE_JOBS_LEASE_SECONDS").map_or(Ok(30), |v| v.parse())?;
+    let stopping = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stopping))?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&stopping))?;
+
+    let mut client = Client::connect(&dsn, NoTls)?;
+    while !stopping.load(Ordering::Relaxed) {
+        if !run_one(&mut client, &dsn, &worker_id, lease)? {
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+    println!("{worker_id} stopped");
+    Ok(())
+}
