@@ -88,3 +88,37 @@ fn the_summary_view_counts_per_queue_and_state() {
     );
     assert_eq!(failures, Ok((Some("target_rejected".into()), Some(1))));
 }
+
+#[pg_test]
+fn a_concurrency_limit_caps_running_jobs_per_queue() {
+    for _ in 0..4 {
+        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited')").unwrap();
+    }
+    let other: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'other')");
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2)").unwrap();
+    let in_limited = || claim_from("limited");
+    let (first, first_token) = in_limited().unwrap();
+    let (second, _) = in_limited().unwrap();
+    assert!(in_limited().is_none(), "two are running: the limit is reached");
+    assert_eq!(claim("w").map(|(job, _)| job), Some(other), "other queues are not limited");
+    // A finished job frees its place; so does a job whose lease expired.
+    assert_eq!(complete(first, "w", first_token), "succeeded");
+    let (third, _) = in_limited().unwrap();
+    assert!(in_limited().is_none());
+    expire_lease(second);
+    let (reclaimed, _) = in_limited().unwrap();
+    assert_eq!(reclaimed, second, "the lapsed job is taken again, within the limit");
+    assert!(in_limited().is_none());
+    // NULL removes the limit.
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', NULL)").unwrap();
+    assert!(in_limited().is_some());
+    assert_ne!(third, reclaimed);
+    for (arguments, sqlstate) in [
+        ("'limited', 0", "22023"),
+        ("'limited', 100001", "22023"),
+        ("NULL, 3", "22004"),
+        ("'bad queue', 3", "22023"),
+    ] {
+        assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_concurrency({arguments})"), sqlstate);
+    }
+}

@@ -103,7 +103,7 @@ fn every_function_pins_search_path_and_declares_volatility() {
                              'cancel_durable_job', 'register_durable_job_handler',
                              'unregister_durable_job_handler', 'durable_job_metrics',
                              'durable_job_metrics_prometheus', 'pause_durable_job_queue',
-                             'resume_durable_job_queue')",
+                             'resume_durable_job_queue', 'set_durable_job_queue_concurrency')",
     );
-    assert_eq!(api_functions, 13);
+    assert_eq!(api_functions, 14);
 }

@@ -62,6 +62,16 @@ pub fn claim(worker_id: &str) -> Option<(i64, pgrx::Uuid)> {
     .unwrap_or(None)
 }
 
+/// A claim restricted to one queue.
+pub fn claim_from(queue: &str) -> Option<(i64, pgrx::Uuid)> {
+    Spi::get_two_with_args::<i64, pgrx::Uuid>(
+        "SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job('w', ARRAY[$1])",
+        &[queue.into()],
+    )
+    .map(|(job, token)| job.zip(token))
+    .unwrap_or(None)
+}
+
 /// Calls complete or fail (`call` is the SQL call with $1 job_id, $2 worker_id, $3 lease_token).
 pub fn fenced(call: &str, job_id: i64, worker_id: &str, lease_token: pgrx::Uuid) -> String {
     Spi::get_one_with_args::<String>(

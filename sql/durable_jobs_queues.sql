@@ -2,14 +2,45 @@
 
 -- One row per queue that has a control set; queues without a row are open.
 CREATE TABLE durable_jobs.durable_job_queue (
-    queue_name pg_catalog.text PRIMARY KEY,
-    paused     pg_catalog.bool NOT NULL DEFAULT false,
-    changed_by pg_catalog.name NOT NULL,
-    changed_at pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now()
+    queue_name        pg_catalog.text PRIMARY KEY,
+    paused            pg_catalog.bool NOT NULL DEFAULT false,
+    -- At most this many jobs of the queue run (hold a live lease) at once; NULL: no limit.
+    concurrency_limit pg_catalog.int4 CHECK (concurrency_limit BETWEEN 1 AND 100000),
+    changed_by        pg_catalog.name NOT NULL,
+    changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
 COMMENT ON TABLE durable_jobs.durable_job_queue IS
-    'Queue controls. Write through pause_durable_job_queue / resume_durable_job_queue.';
+    'Queue controls. Write through pause_durable_job_queue, resume_durable_job_queue and '
+    'set_durable_job_queue_concurrency.';
+
+-- Jobs of a queue that hold a live lease.
+CREATE FUNCTION durable_jobs.durable_job_queue_running(queue pg_catalog.text)
+    RETURNS pg_catalog.int8
+    LANGUAGE sql STABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+    SELECT pg_catalog.count(*) FROM durable_jobs.durable_job j
+    WHERE j.queue_name = queue AND j.job_state = 'running'
+      AND j.lease_expires_at > pg_catalog.clock_timestamp()
+$body$;
+
+-- Whether a limited queue can take one more running job, asked by claims for each candidate
+-- of such a queue. Claimers of one limited queue take turns on a per-queue advisory lock held
+-- to the end of the claiming transaction, so the next one counts the claims of the one before;
+-- claimers of other queues never wait for it.
+CREATE FUNCTION durable_jobs.durable_job_queue_has_capacity(queue pg_catalog.text)
+    RETURNS pg_catalog.bool
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(
+        pg_catalog.hashtext('durable_jobs queue'), pg_catalog.hashtext(queue));
+    RETURN durable_jobs.durable_job_queue_running(queue) < COALESCE((SELECT q.concurrency_limit FROM durable_jobs.durable_job_queue q
+                     WHERE q.queue_name = queue), 2147483647);
+END
+$body$;
 
 -- Per queue and state: how many jobs, how long the oldest ready job has waited, and how many
 -- running jobs hold an expired lease (their worker died or stalled).
@@ -23,10 +54,11 @@ SELECT j.queue_name,
        pg_catalog.count(*)
            FILTER (WHERE j.job_state = 'running' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
            AS expired_leases,
-       COALESCE((SELECT q.paused FROM durable_jobs.durable_job_queue q
-                 WHERE q.queue_name = j.queue_name), false) AS queue_paused
+       COALESCE(q.paused, false) AS queue_paused,
+       q.concurrency_limit
 FROM durable_jobs.durable_job j
-GROUP BY j.queue_name, j.job_state;
+LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit;
 
 -- Jobs that failed in the last hour, per queue and failure code.
 CREATE VIEW durable_jobs.durable_job_recent_failures AS

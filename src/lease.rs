@@ -49,7 +49,13 @@ const CLAIM: &str = "
                    AND lease_expires_at <= pg_catalog.clock_timestamp()
                    AND attempt_count < max_attempts))
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-          AND queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q WHERE q.paused))
+          AND queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q
+                                       WHERE q.paused OR (q.concurrency_limit IS NOT NULL
+                                             AND durable_jobs.durable_job_queue_running(q.queue_name)
+                                                 >= q.concurrency_limit)))
+          AND (queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q
+                                        WHERE q.concurrency_limit IS NOT NULL))
+               OR durable_jobs.durable_job_queue_has_capacity(queue_name))
           AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
         LIMIT $5
@@ -122,15 +128,24 @@ fn first_value<T: FromDatum + IntoDatum>(template: &str, args: &[DatumWithOid]) 
 
 /// Runs a statement and returns its first row's first column; None when there is no row.
 pub fn first_value_of<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
-    Spi::connect_mut(|client| {
-        let rows = plans::execute(client, query, args);
-        if rows.is_empty() {
-            None
-        } else {
-            rows.first().get_one::<T>().expect(query)
-        }
-    })
+    Spi::connect_mut(|client| first_value_in(client, query, args))
 }
+
+fn first_value_in<T: FromDatum + IntoDatum>(
+    client: &mut pgrx::spi::SpiClient,
+    query: &str,
+    args: &[DatumWithOid],
+) -> Option<T> {
+    let rows = plans::execute(client, query, args);
+    if rows.is_empty() {
+        None
+    } else {
+        rows.first().get_one::<T>().expect(query)
+    }
+}
+
+const ANY_CONCURRENCY_LIMIT: &str =
+    "SELECT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue WHERE concurrency_limit IS NOT NULL)";
 
 /// The fenced arguments every lease holder passes: job, owner, token.
 struct LeaseHolder {
@@ -176,28 +191,46 @@ pub fn claim_jobs(
 ) -> Vec<ClaimedJob> {
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            let queues: DatumWithOid = match queue_names {
-                Some(names) => names.to_vec().into(),
-                None => DatumWithOid::null::<Vec<String>>(),
+            let queues = || -> DatumWithOid {
+                match queue_names {
+                    Some(names) => names.to_vec().into(),
+                    None => DatumWithOid::null::<Vec<String>>(),
+                }
             };
-            let args = [
-                queues,
-                worker_id.into(),
-                f64::from(lease_seconds).into(),
-                handlers_only.into(),
-                i64::from(limit).into(),
-            ];
-            plans::execute(client, &statement(CLAIM), &args)
-                .map(|row| ClaimedJob {
-                    job_id: row.get(1).unwrap().unwrap(),
-                    lease_token: row.get(2).unwrap().unwrap(),
-                    lease_expires_at: row.get(3).unwrap().unwrap(),
-                    job_kind: row.get(4).unwrap().unwrap(),
-                    payload: row.get(5).unwrap().unwrap(),
-                    attempt_count: row.get(6).unwrap().unwrap(),
-                    max_attempts: row.get(7).unwrap().unwrap(),
-                })
-                .collect()
+            let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
+                let args = [
+                    queues(),
+                    worker_id.into(),
+                    f64::from(lease_seconds).into(),
+                    handlers_only.into(),
+                    i64::from(count).into(),
+                ];
+                plans::execute(client, &statement(CLAIM), &args)
+                    .map(|row| ClaimedJob {
+                        job_id: row.get(1).unwrap().unwrap(),
+                        lease_token: row.get(2).unwrap().unwrap(),
+                        lease_expires_at: row.get(3).unwrap().unwrap(),
+                        job_kind: row.get(4).unwrap().unwrap(),
+                        payload: row.get(5).unwrap().unwrap(),
+                        attempt_count: row.get(6).unwrap().unwrap(),
+                        max_attempts: row.get(7).unwrap().unwrap(),
+                    })
+                    .collect()
+            };
+            // A statement does not see its own claims when it checks a queue's concurrency
+            // limit, so with limits in force a batch is claimed one job per statement.
+            if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+                return claim(client, limit);
+            }
+            let mut claimed = Vec::new();
+            while claimed.len() < limit as usize {
+                let one = claim(client, 1);
+                if one.is_empty() {
+                    break;
+                }
+                claimed.extend(one);
+            }
+            claimed
         })
     })
 }

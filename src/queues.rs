@@ -1,5 +1,6 @@
 //! Queue controls: a paused queue is claimed from by no one (the background worker and external
-//! workers alike); enqueue into it goes on.
+//! workers alike), and enqueue into it goes on; a queue's concurrency limit caps how many of its
+//! jobs run at once.
 
 use crate::arguments;
 use crate::lease::first_value_of;
@@ -43,4 +44,37 @@ fn pause_durable_job_queue(queue_name: Option<String>) -> bool {
 #[search_path(pg_catalog, pg_temp)]
 fn resume_durable_job_queue(queue_name: Option<String>) -> bool {
     set_paused(queue_name, false)
+}
+
+const SET_CONCURRENCY: &str = "
+    INSERT INTO durable_jobs.durable_job_queue (queue_name, concurrency_limit, changed_by)
+    VALUES ($1, $2, $3::pg_catalog.name)
+    ON CONFLICT (queue_name) DO UPDATE
+    SET concurrency_limit = excluded.concurrency_limit, changed_by = excluded.changed_by,
+        changed_at = pg_catalog.now()
+    RETURNING 1";
+
+/// Upper bound of a queue's concurrency limit.
+const CONCURRENCY_LIMIT_MAX: i32 = 100_000;
+
+/// Limits how many jobs of a queue may run (hold a live lease) at once; NULL removes the limit.
+/// Claims by the background workers and by external workers both honour it.
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_limit: Option<i32>) {
+    let queue_name = arguments::name(queue_name, "queue_name");
+    if let Some(limit) = concurrency_limit {
+        if !(1..=CONCURRENCY_LIMIT_MAX).contains(&limit) {
+            arguments::invalid(&format!(
+                "concurrency_limit must be NULL (no limit) or between 1 and {CONCURRENCY_LIMIT_MAX}"
+            ));
+        }
+    }
+    let changed_by = caller().role_name;
+    as_extension_owner(|| {
+        first_value_of::<i32>(
+            SET_CONCURRENCY,
+            &[queue_name.as_str().into(), concurrency_limit.into(), changed_by.as_str().into()],
+        )
+    });
 }

@@ -54,7 +54,10 @@ fn check_example_worker(cluster: &Cluster, mut worker: Child) {
     let succeeded = ("succeeded".to_string(), None, 1);
     assert_eq!(outcome(&mut client, "job_id = 1"), succeeded);
     assert_eq!(outcome(&mut client, "job_id = 2"), succeeded, "the slow job kept its lease");
-    assert_eq!(outcome(&mut client, "job_kind = 'mystery'"), ("failed".into(), Some("invalid_request".into()), 1));
+    assert_eq!(
+        outcome(&mut client, "job_kind = 'mystery'"),
+        ("failed".into(), Some("invalid_request".into()), 1)
+    );
     assert_eq!(outcome(&mut client, "job_id = 4"), ("failed".into(), Some("target_unavailable".into()), 1));
     let names: Vec<String> = client
         .query("SELECT name FROM public.greetings ORDER BY name", &[])

@@ -329,3 +329,72 @@ fn intake_switch_stops_enqueue_but_not_claims() {
     let mut client = cluster.connect();
     assert_eq!(enqueue(&mut client, "k", 1).len(), 1);
 }
+
+#[test]
+fn a_queue_concurrency_limit_holds_across_connections() {
+    const LIMIT: i64 = 3;
+    let cluster = Arc::new(Cluster::start(""));
+    let mut setup = cluster.connect();
+    setup
+        .batch_execute(&format!(
+            "SELECT durable_jobs.set_durable_job_queue_concurrency('limited', {LIMIT});
+             SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k',
+                 ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series(1, 120) g), NULL, 'limited');"
+        ))
+        .unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Each worker holds its lease a while, so that claims pile up against the limit.
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let cluster = Arc::clone(&cluster);
+            thread::spawn(move || {
+                let mut client = cluster.connect();
+                let worker = format!("limited-{w}");
+                let mut idle_rounds = 0;
+                while idle_rounds < 20 {
+                    match claim(&mut client, &worker, 60) {
+                        Some(job) => {
+                            idle_rounds = 0;
+                            thread::sleep(Duration::from_millis(15));
+                            assert_eq!(complete(&mut client, &job, &worker), "succeeded");
+                        }
+                        None => {
+                            idle_rounds += 1;
+                            thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    let monitor = {
+        let (cluster, done) = (Arc::clone(&cluster), Arc::clone(&done));
+        thread::spawn(move || {
+            let mut client = cluster.connect();
+            let mut highest = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let running: i64 = client
+                    .query_one(
+                        "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'",
+                        &[],
+                    )
+                    .unwrap()
+                    .get(0);
+                highest = highest.max(running);
+            }
+            highest
+        })
+    };
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let highest = monitor.join().unwrap();
+    let succeeded: i64 = setup
+        .query_one("SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(succeeded, 120, "every job ran");
+    assert!(highest <= LIMIT, "{highest} jobs ran at once under a limit of {LIMIT}");
+    assert!(highest >= 2, "the workers did run in parallel ({highest})");
+}

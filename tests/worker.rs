@@ -510,3 +510,33 @@ fn the_worker_leaves_a_paused_queue_alone_until_it_is_resumed() {
         jobs_in_state(&mut client, "succeeded") == 5
     });
 }
+
+#[test]
+fn the_worker_honours_a_queue_concurrency_limit_in_batches() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.worker_count = 2\ndurable_jobs.claim_batch_size = 10\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer, running bigint);
+             -- Records how many jobs of its queue were running while it ran.
+             CREATE FUNCTION public.note_running(payload jsonb) RETURNS void LANGUAGE sql AS $$
+                 INSERT INTO public.effects
+                 SELECT ($1->>'n')::integer, count(*) FROM durable_jobs.durable_job
+                 WHERE queue_name = 'limited' AND job_state = 'running'
+                   AND lease_expires_at > clock_timestamp() $$;
+             SELECT durable_jobs.register_durable_job_handler('note', 'public.note_running(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 1);
+             SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('note',
+                 ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series(1, 40) g), NULL, 'limited');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(60), "40 limited jobs to run", || {
+        jobs_in_state(&mut client, "succeeded") == 40
+    });
+    // Each handler saw only its own job running: one at a time, across two workers and batches.
+    let highest: i64 = client.query_one("SELECT max(running) FROM public.effects", &[]).unwrap().get(0);
+    assert_eq!(highest, 1);
+    assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 40);
+}
