@@ -42,6 +42,13 @@ const CLAIM: &str = "
             finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
         FROM exhausted WHERE x.job_id = exhausted.job_id
         RETURNING x.job_id),
+    -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
+    -- the claim an index scan; a limited queue with room left is checked under its lock.
+    closed AS MATERIALIZED (
+        SELECT q.queue_name FROM durable_jobs.durable_job_queue q
+        WHERE q.paused
+           OR (q.concurrency_limit IS NOT NULL
+               AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
     candidate AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
@@ -49,17 +56,14 @@ const CLAIM: &str = "
                    AND lease_expires_at <= pg_catalog.clock_timestamp()
                    AND attempt_count < max_attempts))
           AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-          AND queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q
-                                       WHERE q.paused OR (q.concurrency_limit IS NOT NULL
-                                             AND durable_jobs.durable_job_queue_running(q.queue_name)
-                                                 >= q.concurrency_limit)))
-          AND (queue_name <> ALL (ARRAY(SELECT q.queue_name FROM durable_jobs.durable_job_queue q
-                                        WHERE q.concurrency_limit IS NOT NULL))
-               OR durable_jobs.durable_job_queue_has_capacity(queue_name))
+          AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
+          AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
+                          WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
+                            AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
           AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
         ORDER BY priority DESC, run_after, job_id
         LIMIT $5
-        FOR UPDATE SKIP LOCKED)
+        FOR UPDATE OF durable_job SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET job_state = 'running',
         lease_owner = $2,
