@@ -291,3 +291,21 @@ fn lapsed_and_available_jobs_compete_in_claim_order() {
     let order: Vec<i64> = (0..3).map(|_| claim("w2").unwrap().0).collect();
     assert_eq!(order, vec![lapsed_high, available_mid, lapsed_low]);
 }
+
+#[pg_test]
+fn the_claim_is_an_index_scan_in_claim_order() {
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    let queues: Option<Vec<String>> = None;
+    let plan = Spi::explain_with_args(
+        &crate::lease::statement(crate::lease::CLAIM),
+        &[queues.into(), "w".into(), 60.0f64.into(), false.into(), 1i64.into()],
+    )
+    .unwrap();
+    let plan = format!("{:?}", plan.0);
+    assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
+    assert!(!plan.contains("\"Node Type\": String(\"Sort\")"), "no sort of the whole queue: {plan}");
+}

@@ -26,7 +26,7 @@ const LEASE_FENCE: &str = "job_id = $1 AND job_state = 'running' AND lease_owner
 // One statement: first, expired leases with no attempts left end as `lease_expired` instead of
 // being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
 // touch disjoint rows (attempts used up or not).
-const CLAIM: &str = "
+pub(crate) const CLAIM: &str = "
     WITH exhausted AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE job_state = 'running'
@@ -121,7 +121,7 @@ const CANCEL: &str = "
     SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
     WHERE job_id = $1 AND job_state IN ('available', 'running')";
 
-fn statement(template: &str) -> String {
+pub(crate) fn statement(template: &str) -> String {
     template.replace("%RELEASE_LEASE%", RELEASE_LEASE).replace("%LEASE_FENCE%", LEASE_FENCE)
 }
 
