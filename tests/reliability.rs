@@ -195,6 +195,18 @@ fn drain_and_check(cluster: &Cluster, scenario: &str, jobs: i64, started: Instan
     tally
 }
 
+/// A cluster under load: the handler set up, four external workers running beside the
+/// background workers, and `jobs` enqueued, a tenth of whose attempts fail transiently.
+fn start_load(conf: &str, jobs: i64) -> (Arc<Cluster>, ExternalWorkers, Instant) {
+    let cluster = Arc::new(Cluster::start(conf));
+    let mut client = cluster.connect();
+    client.batch_execute(SETUP).unwrap();
+    let started = Instant::now();
+    let externals = ExternalWorkers::start(&cluster, 4, 0.1, Duration::ZERO);
+    enqueue(&mut client, jobs, 0.1);
+    (cluster, externals, started)
+}
+
 fn kill_a_worker(cluster: &Cluster) {
     let mut client = cluster.connect_when_ready(Duration::from_secs(60));
     let mut pids = Vec::new();
@@ -209,13 +221,10 @@ fn kill_a_worker(cluster: &Cluster) {
 #[test]
 fn soak_with_workers_external_workers_and_transient_failures() {
     const JOBS: i64 = 10_000;
-    let cluster = Arc::new(Cluster::start(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n")));
-    let mut client = cluster.connect();
-    client.batch_execute(SETUP).unwrap();
-    let started = Instant::now();
-    let externals = ExternalWorkers::start(&cluster, 4, 0.1, Duration::ZERO);
-    enqueue(&mut client, JOBS, 0.1);
+    let (cluster, externals, started) =
+        start_load(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n"), JOBS);
     let tally = drain_and_check(&cluster, "soak", JOBS, started);
+    let mut client = cluster.connect();
     externals.stop();
     assert!(tally.recovered > 0, "about a tenth of the jobs needed a second attempt");
 
@@ -236,13 +245,7 @@ fn soak_with_workers_external_workers_and_transient_failures() {
 #[test]
 fn kill_minus_nine_of_workers_during_the_soak() {
     const JOBS: i64 = 4_000;
-    let cluster = Arc::new(Cluster::start(&format!("{WORKER_CONF}{FAULT_CONF}")));
-    let mut client = cluster.connect();
-    client.batch_execute(SETUP).unwrap();
-    let started = Instant::now();
-    let externals = ExternalWorkers::start(&cluster, 4, 0.1, Duration::ZERO);
-    enqueue(&mut client, JOBS, 0.1);
-    drop(client);
+    let (cluster, externals, started) = start_load(&format!("{WORKER_CONF}{FAULT_CONF}"), JOBS);
     // Several kills at uneven moments while the queue drains.
     for pause_ms in [400u64, 1100, 700] {
         thread::sleep(Duration::from_millis(pause_ms));
@@ -262,13 +265,7 @@ fn assert_workers_took_part(cluster: &Cluster) {
 #[test]
 fn immediate_shutdown_mid_load_then_restart_and_drain() {
     const JOBS: i64 = 4_000;
-    let cluster = Arc::new(Cluster::start(&format!("{WORKER_CONF}{FAULT_CONF}")));
-    let mut client = cluster.connect();
-    client.batch_execute(SETUP).unwrap();
-    let started = Instant::now();
-    let externals = ExternalWorkers::start(&cluster, 4, 0.1, Duration::ZERO);
-    enqueue(&mut client, JOBS, 0.1);
-    drop(client);
+    let (cluster, externals, started) = start_load(&format!("{WORKER_CONF}{FAULT_CONF}"), JOBS);
     thread::sleep(Duration::from_millis(800));
     cluster.pg_ctl(&["stop", "-m", "immediate", "-w"]);
     thread::sleep(Duration::from_millis(300));
