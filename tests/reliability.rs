@@ -328,6 +328,8 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
     });
     let held_rate = (JOBS / 2) as f64 / started.elapsed().as_secs_f64();
     snapshot.rollback().unwrap();
+    // What autovacuum does soon after the old snapshot is gone, done now.
+    client.batch_execute("VACUUM durable_jobs.durable_job").unwrap();
 
     let second_half = Instant::now();
     client
@@ -341,6 +343,7 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
     drain_and_check(&cluster, "long_open_transaction", JOBS, started);
     let released_rate = (JOBS / 2) as f64 / second_half.elapsed().as_secs_f64();
     println!(
-        "long_open_transaction: jobs/s {held_rate:.0} while an old snapshot was held, {released_rate:.0} after it ended"
+        "long_open_transaction: jobs/s {held_rate:.0} while an old snapshot was held, \
+         {released_rate:.0} after it ended and vacuum ran"
     );
 }
