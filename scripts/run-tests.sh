@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of durable_jobs:
 #   1. the in-database #[pg_test] suites (pgrx-tests/), on a cluster cargo-pgrx manages;
-#   2. the isolation specs (tests/isolation), with PostgreSQL's isolation tester;
+#   2. golden files with PostgreSQL's own testers: the SQL surface (tests/regress, pg_regress)
+#      and the isolation specs (tests/isolation, the isolation tester);
 #   3. the end-to-end suites (tests/), each on a fresh cluster of its own with the extension
 #      installed as a user would install it.
 # Needs what scripts/install-prerequisites.sh installs.
@@ -34,8 +35,9 @@ install_args=(--pg-config "$PG_CONFIG")
 [ "$(id -u)" -eq 0 ] || install_args+=(--sudo)
 cargo pgrx install "${install_args[@]}"
 
-echo "== isolation specs (tests/isolation)"
-bash tests/isolation/run.sh
+echo "== golden SQL results (tests/regress) and isolation specs (tests/isolation)"
+bash tests/pg_regress.sh regress
+bash tests/pg_regress.sh isolation
 
 echo "== end-to-end suites (tests/)"
 # --nocapture shows the reliability scenarios' summary lines.
