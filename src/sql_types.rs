@@ -9,8 +9,66 @@ use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
 use pgrx::prelude::*;
 use pgrx::{pg_sys, FromDatum, IntoDatum, PgMemoryContexts};
 
-#[derive(Clone, Copy)]
-pub struct JsonbDatum(pg_sys::Datum);
+/// A varlena SQL value held as its Datum and handed on as it is, never converted.
+macro_rules! passthrough_varlena {
+    ($name:ident, $type_oid:expr, $sql:literal) => {
+        #[derive(Clone, Copy)]
+        pub struct $name(pg_sys::Datum);
+
+        impl FromDatum for $name {
+            unsafe fn from_polymorphic_datum(
+                datum: pg_sys::Datum,
+                is_null: bool,
+                _typoid: pg_sys::Oid,
+            ) -> Option<Self> {
+                (!is_null).then_some($name(datum))
+            }
+
+            // SPI results vanish at SPI_finish: copy the value into the caller's context.
+            unsafe fn from_datum_in_memory_context(
+                mut memory_context: PgMemoryContexts,
+                datum: pg_sys::Datum,
+                is_null: bool,
+                _typoid: pg_sys::Oid,
+            ) -> Option<Self> {
+                if is_null {
+                    return None;
+                }
+                memory_context.switch_to(|_| {
+                    let copy = unsafe { pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr()) };
+                    Some($name(pg_sys::Datum::from(copy)))
+                })
+            }
+        }
+
+        impl IntoDatum for $name {
+            fn into_datum(self) -> Option<pg_sys::Datum> {
+                Some(self.0)
+            }
+
+            fn type_oid() -> pg_sys::Oid {
+                $type_oid
+            }
+        }
+
+        unsafe impl<'fcx> ArgAbi<'fcx> for $name {
+            unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+                unsafe { arg.unbox_arg_using_from_datum().expect(concat!("a non-NULL ", $sql, " argument")) }
+            }
+        }
+
+        unsafe impl BoxRet for $name {
+            unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
+                unsafe { fcinfo.return_raw_datum(self.0) }
+            }
+        }
+
+        impl_sql_translatable!($name, $sql);
+    };
+}
+
+passthrough_varlena!(JsonbDatum, pg_sys::JSONBOID, "jsonb");
+passthrough_varlena!(JsonbArray, pg_sys::JSONBARRAYOID, "jsonb[]");
 
 impl JsonbDatum {
     /// The payload's size in bytes once decompressed.
@@ -18,56 +76,6 @@ impl JsonbDatum {
         unsafe { pg_sys::toast_raw_datum_size(self.0) }
     }
 }
-
-impl FromDatum for JsonbDatum {
-    unsafe fn from_polymorphic_datum(
-        datum: pg_sys::Datum,
-        is_null: bool,
-        _typoid: pg_sys::Oid,
-    ) -> Option<Self> {
-        (!is_null).then_some(JsonbDatum(datum))
-    }
-
-    // SPI results vanish at SPI_finish: copy the value into the caller's context.
-    unsafe fn from_datum_in_memory_context(
-        mut memory_context: PgMemoryContexts,
-        datum: pg_sys::Datum,
-        is_null: bool,
-        _typoid: pg_sys::Oid,
-    ) -> Option<Self> {
-        if is_null {
-            return None;
-        }
-        memory_context.switch_to(|_| {
-            let copy = pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr());
-            Some(JsonbDatum(pg_sys::Datum::from(copy)))
-        })
-    }
-}
-
-impl IntoDatum for JsonbDatum {
-    fn into_datum(self) -> Option<pg_sys::Datum> {
-        Some(self.0)
-    }
-
-    fn type_oid() -> pg_sys::Oid {
-        pg_sys::JSONBOID
-    }
-}
-
-unsafe impl<'fcx> ArgAbi<'fcx> for JsonbDatum {
-    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
-        unsafe { arg.unbox_arg_using_from_datum().expect("a non-NULL jsonb argument") }
-    }
-}
-
-unsafe impl BoxRet for JsonbDatum {
-    unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
-        unsafe { fcinfo.return_raw_datum(self.0) }
-    }
-}
-
-impl_sql_translatable!(JsonbDatum, "jsonb");
 
 #[derive(Clone, Copy)]
 pub struct Regprocedure(pub pg_sys::Oid);
@@ -99,34 +107,3 @@ unsafe impl<'fcx> ArgAbi<'fcx> for Regprocedure {
 }
 
 impl_sql_translatable!(Regprocedure, "regprocedure");
-
-#[derive(Clone, Copy)]
-pub struct JsonbArray(pg_sys::Datum);
-
-impl FromDatum for JsonbArray {
-    unsafe fn from_polymorphic_datum(
-        datum: pg_sys::Datum,
-        is_null: bool,
-        _typoid: pg_sys::Oid,
-    ) -> Option<Self> {
-        (!is_null).then_some(JsonbArray(datum))
-    }
-}
-
-impl IntoDatum for JsonbArray {
-    fn into_datum(self) -> Option<pg_sys::Datum> {
-        Some(self.0)
-    }
-
-    fn type_oid() -> pg_sys::Oid {
-        pg_sys::JSONBARRAYOID
-    }
-}
-
-unsafe impl<'fcx> ArgAbi<'fcx> for JsonbArray {
-    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
-        unsafe { arg.unbox_arg_using_from_datum().expect("a non-NULL jsonb[] argument") }
-    }
-}
-
-impl_sql_translatable!(JsonbArray, "jsonb[]");
