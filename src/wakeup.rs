@@ -53,6 +53,10 @@ pub fn wake_workers_at_commit() {
     pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
         WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
     });
+    // A prepared transaction commits later, maybe elsewhere: the poll interval picks it up.
+    pgrx::register_xact_callback(PgXactCallbackEvent::Prepare, || {
+        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
+    });
 }
 
 fn wake_workers() {
