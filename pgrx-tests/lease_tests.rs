@@ -301,7 +301,7 @@ fn the_claim_is_an_index_scan_in_claim_order() {
     .unwrap();
     let queues: Option<Vec<String>> = None;
     let plan = Spi::explain_with_args(
-        &crate::lease::statement(crate::lease::CLAIM),
+        crate::lease::CLAIM,
         &[queues.into(), "w".into(), 60.0f64.into(), false.into(), 1i64.into()],
     )
     .unwrap();

@@ -15,18 +15,28 @@ use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::Uuid;
 
-/// The lease columns as they are after leaving `running`; shared by every transition.
-const RELEASE_LEASE: &str = "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
-                             updated_at = pg_catalog.clock_timestamp()";
+/// The lease columns as they are after leaving `running`; shared by every transition. A macro,
+/// so that the statements are assembled at compile time with `concat!`.
+macro_rules! release_lease {
+    () => {
+        "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
+         updated_at = pg_catalog.clock_timestamp()"
+    };
+}
 
 /// Matches only the running job whose live lease is exactly ($2, $3).
-const LEASE_FENCE: &str = "job_id = $1 AND job_state = 'running' AND lease_owner = $2 \
-                           AND lease_token = $3 AND lease_expires_at > pg_catalog.clock_timestamp()";
+macro_rules! lease_fence {
+    () => {
+        "job_id = $1 AND job_state = 'running' AND lease_owner = $2 \
+         AND lease_token = $3 AND lease_expires_at > pg_catalog.clock_timestamp()"
+    };
+}
 
 // One statement: first, expired leases with no attempts left end as `lease_expired` instead of
 // being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
 // touch disjoint rows (attempts used up or not).
-pub(crate) const CLAIM: &str = "
+pub(crate) const CLAIM: &str = concat!(
+    "
     WITH exhausted AS (
         SELECT job_id FROM durable_jobs.durable_job
         WHERE job_state = 'running'
@@ -39,7 +49,9 @@ pub(crate) const CLAIM: &str = "
     expired AS (
         UPDATE durable_jobs.durable_job x
         SET job_state = 'failed', last_failure_code = 'lease_expired',
-            finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
+            finished_at = pg_catalog.clock_timestamp(), ",
+    release_lease!(),
+    "
         FROM exhausted WHERE x.job_id = exhausted.job_id
         RETURNING x.job_id),
     -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
@@ -73,17 +85,25 @@ pub(crate) const CLAIM: &str = "
         updated_at = pg_catalog.clock_timestamp()
     FROM candidate WHERE j.job_id = candidate.job_id
     RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
-              j.attempt_count, j.max_attempts";
+              j.attempt_count, j.max_attempts"
+);
 
-const COMPLETE: &str = "
+const COMPLETE: &str = concat!(
+    "
     UPDATE durable_jobs.durable_job
-    SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
-    WHERE %LEASE_FENCE%
-    RETURNING job_id";
+    SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
+    release_lease!(),
+    "
+    WHERE ",
+    lease_fence!(),
+    "
+    RETURNING job_id"
+);
 
 // $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code.
 // Backoff: base * 2^(attempt - 1), capped, times a jitter factor in [0.5, 1).
-const FAIL: &str = "
+const FAIL: &str = concat!(
+    "
     UPDATE durable_jobs.durable_job
     SET job_state = CASE WHEN $4 AND attempt_count < max_attempts THEN 'available' ELSE 'failed' END,
         run_after = CASE WHEN $4 AND attempt_count < max_attempts
@@ -94,16 +114,25 @@ const FAIL: &str = "
         finished_at = CASE WHEN $4 AND attempt_count < max_attempts THEN NULL
                            ELSE pg_catalog.clock_timestamp() END,
         last_failure_code = $7,
-        %RELEASE_LEASE%
-    WHERE %LEASE_FENCE%
-    RETURNING job_state";
+        ",
+    release_lease!(),
+    "
+    WHERE ",
+    lease_fence!(),
+    "
+    RETURNING job_state"
+);
 
-const EXTEND: &str = "
+const EXTEND: &str = concat!(
+    "
     UPDATE durable_jobs.durable_job
     SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
         updated_at = pg_catalog.clock_timestamp()
-    WHERE %LEASE_FENCE%
-    RETURNING lease_expires_at";
+    WHERE ",
+    lease_fence!(),
+    "
+    RETURNING lease_expires_at"
+);
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may cancel it too.
@@ -116,18 +145,18 @@ const LOCK_FOR_CANCEL: &str = "
     WHERE j.job_id = $1
     FOR UPDATE";
 
-const CANCEL: &str = "
+const CANCEL: &str = concat!(
+    "
     UPDATE durable_jobs.durable_job
-    SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), %RELEASE_LEASE%
-    WHERE job_id = $1 AND job_state IN ('available', 'running')";
-
-pub(crate) fn statement(template: &str) -> String {
-    template.replace("%RELEASE_LEASE%", RELEASE_LEASE).replace("%LEASE_FENCE%", LEASE_FENCE)
-}
+    SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), ",
+    release_lease!(),
+    "
+    WHERE job_id = $1 AND job_state IN ('available', 'running')"
+);
 
 /// Runs a statement as the extension owner and returns its first row's first column, if any.
-fn first_value<T: FromDatum + IntoDatum>(template: &str, args: &[DatumWithOid]) -> Option<T> {
-    as_extension_owner(|| first_value_of(&statement(template), args))
+fn first_value<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
+    as_extension_owner(|| first_value_of(query, args))
 }
 
 /// Runs a statement and returns its first row's first column; None when there is no row.
@@ -209,7 +238,7 @@ pub fn claim_jobs(
                     handlers_only.into(),
                     i64::from(count).into(),
                 ];
-                plans::execute(client, &statement(CLAIM), &args)
+                plans::execute(client, CLAIM, &args)
                     .map(|row| ClaimedJob {
                         job_id: row.get(1).unwrap().unwrap(),
                         lease_token: row.get(2).unwrap().unwrap(),
@@ -345,13 +374,11 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
     let caller = caller();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            let found = client
-                .update(
-                    LOCK_FOR_CANCEL,
-                    None,
-                    &[job_id.into(), caller.role_oid.into(), caller.is_superuser.into()],
-                )
-                .expect("look up job to cancel");
+            let found = plans::execute(
+                client,
+                LOCK_FOR_CANCEL,
+                &[job_id.into(), caller.role_oid.into(), caller.is_superuser.into()],
+            );
             if found.is_empty() {
                 return false;
             }
@@ -366,9 +393,7 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             if !matches!(state.as_deref(), Some("available" | "running")) {
                 return false;
             }
-            let cancelled =
-                client.update(statement(CANCEL).as_str(), None, &[job_id.into()]).expect("cancel");
-            cancelled.len() == 1
+            plans::execute(client, CANCEL, &[job_id.into()]).len() == 1
         })
     })
 }
