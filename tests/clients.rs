@@ -2,7 +2,7 @@
 //! their lease alive through slow work, complete with their effects or fail with a stable code,
 //! and stop cleanly on SIGTERM.
 
-use harness::{count, wait_until, Cluster};
+use harness::{count, job_outcome, wait_until, Cluster};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,25 +40,17 @@ fn check_example_worker(cluster: &Cluster, mut worker: Child) {
     assert!(status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert!(String::from_utf8_lossy(&output.stdout).contains("stopped"));
 
-    let outcome = |client: &mut postgres::Client, selector: &str| -> (String, Option<String>, i32) {
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job WHERE {selector}"
-                ),
-                &[],
-            )
-            .unwrap();
-        (row.get(0), row.get(1), row.get(2))
-    };
     let succeeded = ("succeeded".to_string(), None, 1);
-    assert_eq!(outcome(&mut client, "job_id = 1"), succeeded);
-    assert_eq!(outcome(&mut client, "job_id = 2"), succeeded, "the slow job kept its lease");
+    assert_eq!(job_outcome(&mut client, "job_id = 1"), succeeded);
+    assert_eq!(job_outcome(&mut client, "job_id = 2"), succeeded, "the slow job kept its lease");
     assert_eq!(
-        outcome(&mut client, "job_kind = 'mystery'"),
+        job_outcome(&mut client, "job_kind = 'mystery'"),
         ("failed".into(), Some("invalid_request".into()), 1)
     );
-    assert_eq!(outcome(&mut client, "job_id = 4"), ("failed".into(), Some("target_unavailable".into()), 1));
+    assert_eq!(
+        job_outcome(&mut client, "job_id = 4"),
+        ("failed".into(), Some("target_unavailable".into()), 1)
+    );
     let names: Vec<String> = client
         .query("SELECT name FROM public.greetings ORDER BY name", &[])
         .unwrap()

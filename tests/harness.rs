@@ -193,6 +193,16 @@ pub fn count(client: &mut Client, query: &str) -> i64 {
     client.query_one(query, &[]).unwrap_or_else(|e| panic!("{query}: {e}")).get(0)
 }
 
+/// (job_state, last_failure_code, attempt_count) of the one job `selector`, an SQL condition,
+/// picks out.
+pub fn job_outcome(client: &mut Client, selector: &str) -> (String, Option<String>, i32) {
+    let query = format!(
+        "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job WHERE {selector}"
+    );
+    let row = client.query_one(&query, &[]).unwrap_or_else(|e| panic!("{query}: {e}"));
+    (row.get(0), row.get(1), row.get(2))
+}
+
 /// The value of one metric from durable_job_metrics().
 pub fn metric(client: &mut Client, name: &str) -> i64 {
     client

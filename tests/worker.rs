@@ -2,7 +2,7 @@
 //! switching it on, draining, failure classification and retries, crash recovery, and running
 //! handlers with the enqueuing role's rights.
 
-use harness::{count, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
+use harness::{count, job_outcome, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
 use postgres::Client;
 use std::time::Duration;
 
@@ -146,15 +146,7 @@ fn handler_errors_are_classified_retried_and_kept_out_of_the_log() {
     let flaky = enqueue(&mut client, "flaky", 5);
     let sleepy = enqueue(&mut client, "sleepy", 2);
 
-    let outcome = |client: &mut Client, job_id: i64| -> (String, Option<String>, i32) {
-        let row = client
-            .query_one(
-                "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job WHERE job_id = $1",
-                &[&job_id],
-            )
-            .unwrap();
-        (row.get(0), row.get(1), row.get(2))
-    };
+    let outcome = |client: &mut Client, job_id: i64| job_outcome(client, &format!("job_id = {job_id}"));
     wait_until(Duration::from_secs(60), "all three jobs to finish", || {
         count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 3
     });
@@ -292,14 +284,9 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
     wait_until(Duration::from_secs(30), "the four jobs to finish", || {
         count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL") == 4
     });
-    let outcome = |admin: &mut Client, kind: &str| -> (String, Option<String>) {
-        let row = admin
-            .query_one(
-                "SELECT job_state, last_failure_code FROM durable_jobs.durable_job WHERE job_kind = $1",
-                &[&kind],
-            )
-            .unwrap();
-        (row.get(0), row.get(1))
+    let outcome = |admin: &mut Client, kind: &str| {
+        let (state, code, _) = job_outcome(admin, &format!("job_kind = '{kind}'"));
+        (state, code)
     };
     assert_eq!(outcome(&mut admin, "log_me"), ("succeeded".into(), None));
     assert_eq!(outcome(&mut admin, "peek"), ("failed".into(), Some("target_rejected".into())));
