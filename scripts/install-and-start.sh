@@ -13,9 +13,7 @@ PGDATA=${DURABLE_JOBS_PGDATA:-/var/lib/postgresql/durable_jobs}
 
 bash scripts/install-prerequisites.sh
 
-install_args=(--release --pg-config "$PG_CONFIG")
-[ "$(id -u)" -eq 0 ] || install_args+=(--sudo)
-cargo pgrx install "${install_args[@]}"
+PG_CONFIG="$PG_CONFIG" bash scripts/install-extension.sh --release
 
 bindir=$("$PG_CONFIG" --bindir)
 as_postgres() {

@@ -31,9 +31,7 @@ echo "== in-database suites (cargo pgrx test)"
 cargo pgrx test pg15 "${pgrx_test_args[@]}"
 
 echo "== installing the extension into $("$PG_CONFIG" --pkglibdir)"
-install_args=(--pg-config "$PG_CONFIG")
-[ "$(id -u)" -eq 0 ] || install_args+=(--sudo)
-cargo pgrx install "${install_args[@]}"
+PG_CONFIG="$PG_CONFIG" bash scripts/install-extension.sh
 
 echo "== golden SQL results (tests/regress) and isolation specs (tests/isolation)"
 bash tests/pg_regress.sh regress

@@ -4,7 +4,8 @@
 //! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
-//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause and resume), `worker` (the background worker loop), `execution`
+//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause and resume),
+//! `retention` (deleting finished jobs), `worker` (the background worker loop), `execution`
 //! (running one handler), `wakeup` (latches set at enqueue commit), `metrics`.
 
 use pgrx::prelude::*;
@@ -19,6 +20,7 @@ mod metrics;
 mod plans;
 mod privilege;
 mod queues;
+mod retention;
 mod settings;
 mod sql_types;
 mod wakeup;

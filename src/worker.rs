@@ -7,6 +7,7 @@ use crate::execution;
 use crate::lease;
 use crate::metrics::{self, Counter};
 use crate::privilege::with_pinned_search_path;
+use crate::retention;
 use crate::settings;
 use crate::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
@@ -114,15 +115,6 @@ const PRUNE_EVERY: Duration = Duration::from_secs(1);
 const PRUNE_BATCH: i64 = 1000;
 const PRUNE_BATCHES_PER_ROUND: usize = 20;
 
-const DELETE_EXPIRED: &str = "
-    WITH expired AS (
-        SELECT job_id FROM durable_jobs.durable_job
-        WHERE finished_at < pg_catalog.clock_timestamp() - pg_catalog.make_interval(secs => $1)
-        ORDER BY finished_at
-        LIMIT $2
-        FOR UPDATE SKIP LOCKED)
-    DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id";
-
 /// Deletes jobs finished longer than `durable_jobs.retention_period` ago, in small batches, one
 /// transaction each, so that no long lock or transaction holds up the queue.
 fn prune_finished_jobs() {
@@ -135,14 +127,10 @@ fn prune_finished_jobs() {
             if !extension_ready() {
                 return 0;
             }
-            with_pinned_search_path(|| {
-                Spi::connect_mut(|client| {
-                    let args = [f64::from(retention).into(), PRUNE_BATCH.into()];
-                    client.update(DELETE_EXPIRED, None, &args).expect("prune finished jobs").len()
-                })
-            })
+            let older_than = Interval::from_seconds(f64::from(retention));
+            with_pinned_search_path(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
         });
-        if (deleted as i64) < PRUNE_BATCH {
+        if deleted < PRUNE_BATCH {
             break;
         }
     }

@@ -1,0 +1,14 @@
+-- durable_jobs 0.1.0 to 0.2.0: adds prune_durable_jobs. Run by ALTER EXTENSION durable_jobs UPDATE;
+-- tests/upgrade.rs checks that the result equals a fresh 0.2.0 install.
+\echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
+
+CREATE FUNCTION durable_jobs.prune_durable_jobs(older_than pg_catalog.interval,
+                                                max_jobs pg_catalog.int4 DEFAULT 10000)
+    RETURNS pg_catalog.int8
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'prune_durable_jobs_wrapper';
+
+-- As everything else in durable_jobs: no one but the owner until granted.
+REVOKE ALL ON FUNCTION durable_jobs.prune_durable_jobs(pg_catalog.interval, pg_catalog.int4) FROM PUBLIC;

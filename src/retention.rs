@@ -1,0 +1,46 @@
+//! Retention: deleting finished jobs. The background workers do it on their own every second
+//! (`durable_jobs.retention_period`); `prune_durable_jobs` lets a deployment that runs only
+//! external workers do the same from a scheduler.
+
+use crate::arguments;
+use crate::privilege::as_extension_owner;
+use pgrx::prelude::*;
+
+/// Most jobs one call of `prune_durable_jobs` may delete, so that one call stays one short
+/// transaction; a caller with more to delete calls again.
+pub const PRUNE_MAX_JOBS_LIMIT: i32 = 100_000;
+
+// Oldest first, skipping rows somebody holds, so that pruning never waits on the queue.
+const DELETE_FINISHED: &str = "
+    WITH expired AS (
+        SELECT job_id FROM durable_jobs.durable_job
+        WHERE finished_at < pg_catalog.clock_timestamp() - $1
+        ORDER BY finished_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED)
+    DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id";
+
+/// Deletes up to `limit` jobs finished more than `older_than` ago; returns how many it deleted.
+/// The caller has pinned search_path and has the privileges of the extension owner.
+pub fn delete_finished_jobs(older_than: Interval, limit: i64) -> i64 {
+    Spi::connect_mut(|client| {
+        let args = [older_than.into(), limit.into()];
+        client.update(DELETE_FINISHED, None, &args).expect("delete finished jobs").len() as i64
+    })
+}
+
+/// Deletes up to `max_jobs` jobs (succeeded, failed or cancelled) that finished more than
+/// `older_than` ago, oldest first; returns how many it deleted.
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn prune_durable_jobs(older_than: Option<Interval>, max_jobs: default!(Option<i32>, 10000)) -> i64 {
+    let older_than = arguments::required(older_than, "older_than");
+    if older_than.is_negative() {
+        arguments::invalid("older_than must not be negative");
+    }
+    let max_jobs = arguments::required(max_jobs, "max_jobs");
+    if !(1..=PRUNE_MAX_JOBS_LIMIT).contains(&max_jobs) {
+        arguments::invalid(&format!("max_jobs must be between 1 and {PRUNE_MAX_JOBS_LIMIT}"));
+    }
+    as_extension_owner(|| delete_finished_jobs(older_than, i64::from(max_jobs)))
+}

@@ -1,0 +1,291 @@
+//! Upgrades: a database on the oldest supported version (0.1.0) with jobs in every state is
+//! upgraded with ALTER EXTENSION durable_jobs UPDATE while the background worker runs; its
+//! catalog must then equal a fresh install of the current version, its jobs must be untouched,
+//! and work must go on. The rollback script must bring it back to a fresh 0.1.0 install.
+
+use harness::{count, job_outcome, wait_until, Cluster, WORKER_CONF};
+use postgres::{Client, GenericClient};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+const OLDEST_SUPPORTED_VERSION: &str = "0.1.0";
+
+/// One line per catalog fact of the extension: its member objects, and for those in schema
+/// durable_jobs their definitions, owners and grants. Names only, never OIDs, so that two
+/// databases compare line by line.
+const CATALOG_FACTS: &str = r#"
+    WITH schema AS (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = 'durable_jobs'),
+    extension AS (SELECT oid FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs')
+    SELECT 'member: ' || pg_catalog.pg_describe_object(d.classid, d.objid, d.objsubid)
+    FROM pg_catalog.pg_depend d, extension e
+    WHERE d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.refobjid = e.oid
+      AND d.deptype = 'e'
+    UNION ALL
+    SELECT 'extension: relocatable=' || x.extrelocatable || ' owner=' || x.extowner::pg_catalog.regrole
+           || ' config=' || coalesce(x.extconfig::pg_catalog.regclass[]::text, '-')
+           || ' conditions=' || coalesce(x.extcondition::text, '-')
+    FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'
+    UNION ALL
+    SELECT 'schema: owner=' || n.nspowner::pg_catalog.regrole || ' acl=' || coalesce(n.nspacl::text, '-')
+    FROM pg_catalog.pg_namespace n WHERE n.nspname = 'durable_jobs'
+    UNION ALL
+    SELECT 'function: ' || p.oid::pg_catalog.regprocedure || ' owner=' || p.proowner::pg_catalog.regrole
+           || ' acl=' || coalesce(p.proacl::text, '-') || ' leakproof=' || p.proleakproof
+           || ' cost=' || p.procost || ' rows=' || p.prorows
+           || E'\n' || pg_catalog.pg_get_functiondef(p.oid)
+    FROM pg_catalog.pg_proc p, schema s WHERE p.pronamespace = s.oid
+    UNION ALL
+    SELECT 'relation: ' || c.oid::pg_catalog.regclass || ' kind=' || c.relkind::text
+           || ' persistence=' || c.relpersistence::text || ' owner=' || c.relowner::pg_catalog.regrole
+           || ' acl=' || coalesce(c.relacl::text, '-') || ' options=' || coalesce(c.reloptions::text, '-')
+           || ' rls=' || c.relrowsecurity
+    FROM pg_catalog.pg_class c, schema s WHERE c.relnamespace = s.oid
+    UNION ALL
+    -- Columns by position among the live ones: an added column would come last.
+    SELECT 'column: ' || c.oid::pg_catalog.regclass || ' #'
+           || pg_catalog.row_number() OVER (PARTITION BY c.oid ORDER BY a.attnum) || ' ' || a.attname
+           || ' ' || pg_catalog.format_type(a.atttypid, a.atttypmod) || ' notnull=' || a.attnotnull
+           || ' identity=' || a.attidentity::text || ' generated=' || a.attgenerated::text
+           || ' default=' || coalesce(pg_catalog.pg_get_expr(ad.adbin, ad.adrelid), '-')
+           || ' collation=' || coalesce(co.collname::text, '-') || ' acl=' || coalesce(a.attacl::text, '-')
+    FROM pg_catalog.pg_class c
+    JOIN schema s ON c.relnamespace = s.oid
+    JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+    LEFT JOIN pg_catalog.pg_attrdef ad ON ad.adrelid = c.oid AND ad.adnum = a.attnum
+    LEFT JOIN pg_catalog.pg_collation co ON co.oid = a.attcollation AND a.attcollation <> 0
+    UNION ALL
+    SELECT 'constraint: ' || co.conrelid::pg_catalog.regclass || ' ' || co.conname || ' '
+           || pg_catalog.pg_get_constraintdef(co.oid) || ' deferrable=' || co.condeferrable
+    FROM pg_catalog.pg_constraint co, schema s WHERE co.connamespace = s.oid
+    UNION ALL
+    SELECT 'index: ' || pg_catalog.pg_get_indexdef(i.indexrelid)
+    FROM pg_catalog.pg_index i JOIN pg_catalog.pg_class c ON c.oid = i.indrelid, schema s
+    WHERE c.relnamespace = s.oid
+    UNION ALL
+    SELECT 'trigger: ' || pg_catalog.pg_get_triggerdef(t.oid) || ' enabled=' || t.tgenabled::text
+    FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid, schema s
+    WHERE c.relnamespace = s.oid AND NOT t.tgisinternal
+    UNION ALL
+    SELECT 'view: ' || c.oid::pg_catalog.regclass || E'\n' || pg_catalog.pg_get_viewdef(c.oid)
+    FROM pg_catalog.pg_class c, schema s WHERE c.relnamespace = s.oid AND c.relkind IN ('v', 'm')
+    UNION ALL
+    SELECT 'sequence: ' || q.seqrelid::pg_catalog.regclass || ' ' || q.seqtypid::pg_catalog.regtype
+           || ' start=' || q.seqstart || ' increment=' || q.seqincrement || ' min=' || q.seqmin
+           || ' max=' || q.seqmax || ' cache=' || q.seqcache || ' cycle=' || q.seqcycle
+    FROM pg_catalog.pg_sequence q JOIN pg_catalog.pg_class c ON c.oid = q.seqrelid, schema s
+    WHERE c.relnamespace = s.oid
+    UNION ALL
+    SELECT 'rule: ' || r.tablename || ' ' || r.rulename || ' ' || r.definition
+    FROM pg_catalog.pg_rules r WHERE r.schemaname = 'durable_jobs'
+    UNION ALL
+    SELECT 'policy: ' || p.tablename || ' ' || p.policyname
+    FROM pg_catalog.pg_policies p WHERE p.schemaname = 'durable_jobs'
+    UNION ALL
+    SELECT 'type: ' || t.oid::pg_catalog.regtype || ' kind=' || t.typtype::text
+           || ' owner=' || t.typowner::pg_catalog.regrole || ' acl=' || coalesce(t.typacl::text, '-')
+    FROM pg_catalog.pg_type t, schema s WHERE t.typnamespace = s.oid
+    UNION ALL
+    SELECT 'comment: ' || pg_catalog.pg_describe_object(d.classoid, d.objoid, d.objsubid) || ' '
+           || d.description
+    FROM pg_catalog.pg_description d, pg_catalog.pg_depend m, extension e
+    WHERE m.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND m.refobjid = e.oid
+      AND m.deptype = 'e' AND d.classoid = m.classid AND d.objoid = m.objid
+"#;
+
+fn catalog_facts(client: &mut Client) -> BTreeSet<String> {
+    let rows = client.query(CATALOG_FACTS, &[]).expect("read the catalog");
+    let facts: Vec<String> = rows.iter().map(|row| row.get(0)).collect();
+    let unique: BTreeSet<String> = facts.iter().cloned().collect();
+    assert_eq!(unique.len(), facts.len(), "every catalog fact is one distinct line");
+    assert!(unique.iter().any(|f| f.starts_with("function: ")), "the query sees the functions");
+    unique
+}
+
+/// Panics with the facts that differ, each side's own lines, when `actual` is not `expected`.
+fn assert_same_catalog(actual: &BTreeSet<String>, expected: &BTreeSet<String>, what: &str) {
+    let missing: Vec<_> = expected.difference(actual).collect();
+    let extra: Vec<_> = actual.difference(expected).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "{what}: the catalog differs.\nonly in the expected install:\n{missing:#?}\nonly after the update:\n{extra:#?}"
+    );
+}
+
+/// The version CREATE EXTENSION installs: the one of the build under test.
+fn default_version(client: &mut Client) -> String {
+    client
+        .query_one(
+            "SELECT default_version FROM pg_catalog.pg_available_extensions WHERE name = 'durable_jobs'",
+            &[],
+        )
+        .expect("available version")
+        .get(0)
+}
+
+fn extension_version(client: &mut Client) -> String {
+    client
+        .query_one("SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'durable_jobs'", &[])
+        .expect("extension version")
+        .get(0)
+}
+
+/// Every column of every job, as text, in job_id order.
+fn all_jobs(client: &mut impl GenericClient) -> Vec<String> {
+    client
+        .query("SELECT j::text FROM durable_jobs.durable_job j ORDER BY job_id", &[])
+        .expect("read jobs")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// The operator's own setup: roles and grants, which an update must keep.
+const OPERATOR_GRANTS: &str = "
+    GRANT USAGE ON SCHEMA durable_jobs TO upgrade_producer;
+    GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz,
+                                                              integer, integer) TO upgrade_producer;";
+
+fn create_database(cluster: &Cluster, name: &str) -> Client {
+    cluster.connect().batch_execute(&format!("CREATE DATABASE {name}")).expect("create database");
+    let dsn = format!("host=127.0.0.1 port={} user=postgres dbname={name}", cluster.port);
+    Client::connect(&dsn, postgres::NoTls).expect("connect to the new database")
+}
+
+#[test]
+fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job() {
+    // The worker's database is `postgres`, the one we upgrade.
+    let cluster = Cluster::start_without_extension(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute("CREATE ROLE upgrade_producer").unwrap();
+    client
+        .batch_execute(&format!("CREATE EXTENSION durable_jobs VERSION '{OLDEST_SUPPORTED_VERSION}'"))
+        .expect("install the oldest supported version");
+    assert_eq!(extension_version(&mut client), OLDEST_SUPPORTED_VERSION);
+    let current_version = default_version(&mut client);
+    assert_ne!(current_version, OLDEST_SUPPORTED_VERSION, "there is something to upgrade to");
+
+    // Jobs in every state, through the old version's functions.
+    client
+        .batch_execute(&format!(
+            "{OPERATOR_GRANTS}
+             CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
+             FROM generate_series(1, 5) g;
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 1}}', 'key-held',
+                                                     queue_name => 'held');
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 2}}', queue_name => 'done');
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 3}}', queue_name => 'cancelled');
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 4}}', queue_name => 'later',
+                                                     run_after => now() + interval '1 day');
+             SELECT durable_jobs.pause_durable_job_queue('paused');
+             SELECT durable_jobs.enqueue_durable_job('record', '{{\"n\": 99}}', queue_name => 'paused');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);"
+        ))
+        .expect("work on the old version");
+    let held = client
+        .query_one(
+            "SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('ext-1', '{held}', 600)",
+            &[],
+        )
+        .expect("claim on the old version");
+    let (held_job, held_token): (i64, String) = (held.get(0), held.get(1));
+    let done = client
+        .query_one(
+            "SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('ext-1', '{done}')",
+            &[],
+        )
+        .expect("claim on the old version");
+    let done_outcome = client
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, 'ext-1', $2::text::uuid)",
+            &[&done.get::<_, i64>(0), &done.get::<_, String>(1)],
+        )
+        .expect("complete on the old version");
+    assert_eq!(done_outcome.get::<_, String>(0), "succeeded");
+    client
+        .batch_execute(
+            "SELECT durable_jobs.cancel_durable_job(job_id) FROM durable_jobs.durable_job
+             WHERE queue_name = 'cancelled'",
+        )
+        .unwrap();
+
+    // The 0.2.0 library's worker leaves a 0.1.0 schema alone.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 0, "no job runs before the update");
+    let jobs_before = all_jobs(&mut client);
+
+    // The update and the check of its result in one transaction, before the worker sees it.
+    let mut update = client.transaction().unwrap();
+    update.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("ALTER EXTENSION UPDATE");
+    let jobs_during = all_jobs(&mut update);
+    update.commit().unwrap();
+    assert_eq!(jobs_during, jobs_before, "the update rewrites no job");
+    assert_eq!(extension_version(&mut client), current_version);
+
+    let mut fresh = create_database(&cluster, "fresh_install");
+    fresh.batch_execute(&format!("CREATE EXTENSION durable_jobs; {OPERATOR_GRANTS}")).unwrap();
+    assert_eq!(extension_version(&mut fresh), current_version);
+    assert_same_catalog(&catalog_facts(&mut client), &catalog_facts(&mut fresh), "0.1.0 updated");
+
+    // Work goes on: the lease taken before the update still fences, the worker runs the backlog,
+    // keys and queue controls still hold.
+    let stale = client
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, 'ext-2', $2::text::uuid)",
+            &[&held_job, &held_token],
+        )
+        .unwrap();
+    assert_eq!(stale.get::<_, String>(0), "stale", "another worker id cannot complete the held job");
+    let completed = client
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, 'ext-1', $2::text::uuid)",
+            &[&held_job, &held_token],
+        )
+        .unwrap();
+    assert_eq!(completed.get::<_, String>(0), "succeeded");
+    wait_until(Duration::from_secs(30), "the worker to run the jobs enqueued before the update", || {
+        count(&mut client, "SELECT count(*) FROM public.effects") == 5
+    });
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE n = 99"),
+        0,
+        "the queue paused before the update stays paused"
+    );
+    let again = count(
+        &mut client,
+        "SELECT durable_jobs.enqueue_durable_job('external', '{\"step\": 1}', 'key-held', queue_name => 'held')",
+    );
+    assert_eq!(again, held_job, "an idempotency key from before the update still finds its job");
+    assert_eq!(job_outcome(&mut client, "queue_name = 'later'").0, "available");
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_queue WHERE concurrency_limit = 2"),
+        1
+    );
+    // What 0.2.0 adds works on an updated database: 5 handler jobs, held, done and cancelled.
+    assert_eq!(count(&mut client, "SELECT durable_jobs.prune_durable_jobs(interval '0')"), 8);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+
+    // Rollback: back to 0.1.0 while this library is installed, then compare with a fresh 0.1.0.
+    client
+        .batch_execute(&format!("ALTER EXTENSION durable_jobs UPDATE TO '{OLDEST_SUPPORTED_VERSION}'"))
+        .expect("roll back with the downgrade script");
+    assert_eq!(extension_version(&mut client), OLDEST_SUPPORTED_VERSION);
+    let mut fresh_old = create_database(&cluster, "fresh_old_install");
+    fresh_old
+        .batch_execute(&format!(
+            "CREATE EXTENSION durable_jobs VERSION '{OLDEST_SUPPORTED_VERSION}'; {OPERATOR_GRANTS}"
+        ))
+        .unwrap();
+    assert_same_catalog(&catalog_facts(&mut client), &catalog_facts(&mut fresh_old), "rolled back to 0.1.0");
+    assert_eq!(
+        count(
+            &mut client,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE queue_name IN ('paused', 'later')"
+        ),
+        2,
+        "the rollback keeps the jobs"
+    );
+}
