@@ -63,6 +63,7 @@ mod tests {
     include!("../pgrx-tests/handler_tests.rs");
     include!("../pgrx-tests/security_tests.rs");
     include!("../pgrx-tests/queue_tests.rs");
+    include!("../pgrx-tests/retention_tests.rs");
     include!("../pgrx-tests/docs_tests.rs");
 }
 

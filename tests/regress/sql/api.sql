@@ -53,3 +53,7 @@ FROM durable_jobs.durable_job_queue_summary ORDER BY 1, 2;
 SELECT * FROM durable_jobs.durable_job_recent_failures ORDER BY 1, 2;
 SELECT metric_name, metric_value FROM durable_jobs.durable_job_metrics()
 WHERE metric_name LIKE 'jobs_%';
+
+-- Pruning deletes finished jobs only, and says how many.
+SELECT durable_jobs.prune_durable_jobs(interval '0') AS pruned;
+SELECT job_state, count(*) FROM durable_jobs.durable_job GROUP BY 1 ORDER BY 1;

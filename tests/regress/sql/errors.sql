@@ -20,6 +20,9 @@ SELECT durable_jobs.fail_durable_job(1, 'w', gen_random_uuid(), 'lease_expired')
 SELECT durable_jobs.complete_durable_job(1, 'w', NULL);
 SELECT durable_jobs.register_durable_job_handler('k', 'pg_catalog.now()');
 SELECT durable_jobs.set_durable_job_queue_concurrency('default', 0);
+SELECT durable_jobs.prune_durable_jobs(NULL);
+SELECT durable_jobs.prune_durable_jobs(interval '-1 day');
+SELECT durable_jobs.prune_durable_jobs(interval '1 day', 0);
 SET durable_jobs.lease_duration = 0;
 -- Nothing above changed the one job that was enqueued.
 SELECT job_id, job_state, payload FROM durable_jobs.durable_job;
