@@ -4,7 +4,7 @@
 #
 # Runs on a throwaway local cluster (loopback only) with default durable settings
 # (fsync = on, synchronous_commit = on) and durable_jobs preloaded. Needs the extension
-# installed (scripts/run-tests.sh or `cargo pgrx install --release`) and pgbench.
+# installed (scripts/run-tests.sh or `bash scripts/install-extension.sh --release`) and pgbench.
 #   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain.
 set -euo pipefail
 

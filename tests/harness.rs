@@ -2,8 +2,8 @@
 //! CREATE EXTENSION durable_jobs, and stop and remove it again when dropped.
 //!
 //! It uses the server binaries of `PG_BIN` (default /usr/lib/postgresql/15/bin) and the
-//! durable_jobs build that `cargo pgrx install` put there. As root it runs the server as the
-//! `postgres` OS user, since Postgres refuses to run as root.
+//! durable_jobs build that scripts/install-extension.sh put there. As root it runs the server as
+//! the `postgres` OS user, since Postgres refuses to run as root.
 
 use postgres::{Client, NoTls};
 use std::path::{Path, PathBuf};
