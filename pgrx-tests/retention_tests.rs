@@ -84,3 +84,24 @@ fn prune_needs_only_execute_and_is_not_granted_to_public() {
     Spi::run("RESET ROLE").unwrap();
     assert_eq!(remaining_jobs().len(), 2);
 }
+
+#[pg_test]
+fn pruning_reads_only_the_expired_part_of_the_finished_index() {
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         UPDATE durable_jobs.durable_job SET job_state = 'cancelled';
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    let plan = Spi::explain_with_args(
+        crate::retention::DELETE_FINISHED,
+        &[pgrx::datum::Interval::from_days(7).into(), 1000i64.into()],
+    )
+    .unwrap();
+    let plan = format!("{:?}", plan.0);
+    assert!(plan.contains("durable_job_finished_idx"), "{plan}");
+    assert!(
+        plan.contains("\"Index Cond\": String(\"(finished_at <"),
+        "a bounded range scan: {plan}"
+    );
+}

@@ -10,11 +10,13 @@ use pgrx::prelude::*;
 /// transaction; a caller with more to delete calls again.
 pub const PRUNE_MAX_JOBS_LIMIT: i32 = 100_000;
 
-// Oldest first, skipping rows somebody holds, so that pruning never waits on the queue.
-const DELETE_FINISHED: &str = "
+// Oldest first, skipping rows somebody holds, so that pruning never waits on the queue. The
+// cutoff uses now(), not clock_timestamp(): a stable bound can be an index condition, where a
+// volatile one would filter the whole finished-jobs index on every round.
+pub const DELETE_FINISHED: &str = "
     WITH expired AS (
         SELECT job_id FROM durable_jobs.durable_job
-        WHERE finished_at < pg_catalog.clock_timestamp() - $1
+        WHERE finished_at < pg_catalog.now() - $1
         ORDER BY finished_at
         LIMIT $2
         FOR UPDATE SKIP LOCKED)
