@@ -97,7 +97,12 @@ fn catalog_facts(client: &mut Client) -> BTreeSet<String> {
     let facts: Vec<String> = rows.iter().map(|row| row.get(0)).collect();
     let unique: BTreeSet<String> = facts.iter().cloned().collect();
     assert_eq!(unique.len(), facts.len(), "every catalog fact is one distinct line");
-    assert!(unique.iter().any(|f| f.starts_with("function: ")), "the query sees the functions");
+    for kind in
+        ["member", "function", "relation", "column", "constraint", "index", "trigger", "view", "comment"]
+    {
+        let prefix = format!("{kind}: ");
+        assert!(unique.iter().any(|f| f.starts_with(&prefix)), "the catalog query finds no {kind}");
+    }
     unique
 }
 
