@@ -7,6 +7,9 @@ CREATE TABLE durable_jobs.durable_job_handler (
     CONSTRAINT durable_job_handler_kind_not_empty CHECK (job_kind <> '')
 );
 
+-- Registrations are the operator's data: pg_dump dumps them.
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_handler', '');
+
 COMMENT ON TABLE durable_jobs.durable_job_handler IS
     'Job kinds the durable_jobs background worker runs, with their handlers. '
     'Write through register_durable_job_handler / unregister_durable_job_handler.';

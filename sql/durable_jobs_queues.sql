@@ -10,6 +10,9 @@ CREATE TABLE durable_jobs.durable_job_queue (
     changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
+-- Queue controls are the operator's data: pg_dump dumps them.
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_queue', '');
+
 COMMENT ON TABLE durable_jobs.durable_job_queue IS
     'Queue controls. Write through pause_durable_job_queue, resume_durable_job_queue and '
     'set_durable_job_queue_concurrency.';

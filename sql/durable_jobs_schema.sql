@@ -85,6 +85,11 @@ CREATE INDEX durable_job_finished_idx
     ON durable_jobs.durable_job (finished_at)
     WHERE finished_at IS NOT NULL;
 
+-- The jobs are data, not part of the extension's definition: pg_dump must dump them (and the
+-- position of job_id's sequence with them), or a restore would come back with an empty queue.
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job', '');
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_job_id_seq', '');
+
 -- Every claim and transition updates a row: vacuum often, so dead tuples do not pile up.
 ALTER TABLE durable_jobs.durable_job SET (
     autovacuum_vacuum_scale_factor = 0.01,

@@ -125,6 +125,17 @@ impl Cluster {
         Client::connect(&dsn, NoTls).expect("connect to test cluster as role")
     }
 
+    /// The path of a PostgreSQL program (pg_dump, pg_restore, ...) of this cluster's version.
+    pub fn program(&self, name: &str) -> PathBuf {
+        self.bin_dir.join(name)
+    }
+
+    /// Connects to another database of this cluster.
+    pub fn connect_to(&self, database: &str) -> Client {
+        let dsn = format!("host=127.0.0.1 port={} user=postgres dbname={database}", self.port);
+        Client::connect(&dsn, NoTls).expect("connect to the test cluster's database")
+    }
+
     pub fn server_log(&self) -> String {
         std::fs::read_to_string(self.data_dir.join("server.log")).unwrap_or_default()
     }
@@ -188,9 +199,17 @@ impl Cluster {
     }
 }
 
+/// An error's SQLSTATE and message (postgres::Error shows only "db error").
+pub fn error_text(error: &postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{}: {}", db.code().code(), db.message()),
+        None => error.to_string(),
+    }
+}
+
 /// Count of rows a query returns as its single bigint.
 pub fn count(client: &mut Client, query: &str) -> i64 {
-    client.query_one(query, &[]).unwrap_or_else(|e| panic!("{query}: {e}")).get(0)
+    client.query_one(query, &[]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
 }
 
 /// (job_state, last_failure_code, attempt_count) of the one job `selector`, an SQL condition,
@@ -201,6 +220,17 @@ pub fn job_outcome(client: &mut Client, selector: &str) -> (String, Option<Strin
     );
     let row = client.query_one(&query, &[]).unwrap_or_else(|e| panic!("{query}: {e}"));
     (row.get(0), row.get(1), row.get(2))
+}
+
+/// Every row of `table` as text, ordered by `order_by`: a snapshot to compare whole tables with.
+pub fn table_rows(client: &mut impl postgres::GenericClient, table: &str, order_by: &str) -> Vec<String> {
+    let query = format!("SELECT t::text FROM {table} t ORDER BY {order_by}");
+    client
+        .query(&query, &[])
+        .unwrap_or_else(|e| panic!("{query}: {}", error_text(&e)))
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
 }
 
 /// The value of one metric from durable_job_metrics().

@@ -3,7 +3,7 @@
 //! catalog must then equal a fresh install of the current version, its jobs must be untouched,
 //! and work must go on. The rollback script must bring it back to a fresh 0.1.0 install.
 
-use harness::{count, job_outcome, wait_until, Cluster, WORKER_CONF};
+use harness::{count, job_outcome, table_rows, wait_until, Cluster, WORKER_CONF};
 use postgres::{Client, GenericClient};
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -22,9 +22,13 @@ const CATALOG_FACTS: &str = r#"
       AND d.deptype = 'e'
     UNION ALL
     SELECT 'extension: relocatable=' || x.extrelocatable || ' owner=' || x.extowner::pg_catalog.regrole
-           || ' config=' || coalesce(x.extconfig::pg_catalog.regclass[]::text, '-')
-           || ' conditions=' || coalesce(x.extcondition::text, '-')
     FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'
+    UNION ALL
+    -- What pg_dump dumps; the array's order follows the install script's and means nothing.
+    SELECT 'dumped: ' || config.relid::pg_catalog.regclass || ' where ' || config.condition
+    FROM pg_catalog.pg_extension x,
+         ROWS FROM (pg_catalog.unnest(x.extconfig), pg_catalog.unnest(x.extcondition)) AS config(relid, condition)
+    WHERE x.extname = 'durable_jobs'
     UNION ALL
     SELECT 'schema: owner=' || n.nspowner::pg_catalog.regrole || ' acl=' || coalesce(n.nspacl::text, '-')
     FROM pg_catalog.pg_namespace n WHERE n.nspname = 'durable_jobs'
@@ -136,12 +140,7 @@ fn extension_version(client: &mut Client) -> String {
 
 /// Every column of every job, as text, in job_id order.
 fn all_jobs(client: &mut impl GenericClient) -> Vec<String> {
-    client
-        .query("SELECT j::text FROM durable_jobs.durable_job j ORDER BY job_id", &[])
-        .expect("read jobs")
-        .iter()
-        .map(|row| row.get(0))
-        .collect()
+    table_rows(client, "durable_jobs.durable_job", "job_id")
 }
 
 /// The operator's own setup: roles and grants, which an update must keep.
@@ -152,8 +151,7 @@ const OPERATOR_GRANTS: &str = "
 
 fn create_database(cluster: &Cluster, name: &str) -> Client {
     cluster.connect().batch_execute(&format!("CREATE DATABASE {name}")).expect("create database");
-    let dsn = format!("host=127.0.0.1 port={} user=postgres dbname={name}", cluster.port);
-    Client::connect(&dsn, postgres::NoTls).expect("connect to the new database")
+    cluster.connect_to(name)
 }
 
 #[test]
