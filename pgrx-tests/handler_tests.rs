@@ -24,11 +24,11 @@ fn functions_and_procedures_with_one_jsonb_argument_register() {
     create_handlers();
     Spi::run("SELECT durable_jobs.register_durable_job_handler('mail', 'public.dj_ok(jsonb)')").unwrap();
     Spi::run("SELECT durable_jobs.register_durable_job_handler('load', 'public.dj_proc(jsonb)')").unwrap();
-    assert_eq!(registered_handler("mail").as_deref(), Some("dj_ok(jsonb)"));
-    assert_eq!(registered_handler("load").as_deref(), Some("dj_proc(jsonb)"));
+    assert_eq!(registered_handler("mail").as_deref(), Some("public.dj_ok(jsonb)"));
+    assert_eq!(registered_handler("load").as_deref(), Some("public.dj_proc(jsonb)"));
     // Registering again replaces the handler.
     Spi::run("SELECT durable_jobs.register_durable_job_handler('mail', 'public.dj_proc(jsonb)')").unwrap();
-    assert_eq!(registered_handler("mail").as_deref(), Some("dj_proc(jsonb)"));
+    assert_eq!(registered_handler("mail").as_deref(), Some("public.dj_proc(jsonb)"));
     assert!(one::<bool>("SELECT durable_jobs.unregister_durable_job_handler('mail')"));
     assert!(!one::<bool>("SELECT durable_jobs.unregister_durable_job_handler('mail')"));
     assert_eq!(registered_handler("mail"), None);
@@ -80,7 +80,7 @@ fn registering_needs_execute_on_the_handler_and_ownership_to_replace() {
     let registration = Spi::get_two::<String, String>(
         "SELECT handler::text, registered_by::text FROM durable_jobs.durable_job_handler WHERE job_kind = 'k'",
     );
-    assert_eq!(registration, Ok((Some("dj_proc(jsonb)".into()), Some("dj_test_registrar".into()))));
+    assert_eq!(registration, Ok((Some("public.dj_proc(jsonb)".into()), Some("dj_test_registrar".into()))));
 }
 
 #[pg_test]

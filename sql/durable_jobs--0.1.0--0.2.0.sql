@@ -1,4 +1,4 @@
--- durable_jobs 0.1.0 to 0.2.0: adds prune_durable_jobs; pg_dump dumps the jobs. Run by ALTER EXTENSION durable_jobs UPDATE;
+-- durable_jobs 0.1.0 to 0.2.0: adds prune_durable_jobs; pg_dump dumps the jobs; pg_upgrade works. Run by ALTER EXTENSION durable_jobs UPDATE;
 -- tests/upgrade.rs checks that the result equals a fresh 0.2.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -12,6 +12,12 @@ CREATE FUNCTION durable_jobs.prune_durable_jobs(older_than pg_catalog.interval,
 
 -- As everything else in durable_jobs: no one but the owner until granted.
 REVOKE ALL ON FUNCTION durable_jobs.prune_durable_jobs(pg_catalog.interval, pg_catalog.int4) FROM PUBLIC;
+
+-- A regprocedure column made pg_upgrade refuse the cluster. Printed with only pg_catalog on the
+-- path, every handler's name comes out schema-qualified (the SET ends with this script).
+SET search_path = pg_catalog;
+ALTER TABLE durable_jobs.durable_job_handler ALTER COLUMN handler TYPE pg_catalog.text
+    USING handler::pg_catalog.text;
 
 -- 0.1.0 left its tables out of pg_dump, so a restore lost every job.
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job', '');

@@ -5,6 +5,9 @@
 
 DROP FUNCTION durable_jobs.prune_durable_jobs(pg_catalog.interval, pg_catalog.int4);
 
+ALTER TABLE durable_jobs.durable_job_handler ALTER COLUMN handler TYPE pg_catalog.regprocedure
+    USING handler::pg_catalog.regprocedure;
+
 -- Leaving and rejoining the extension is the one way to take a table off pg_dump's list.
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job;
 ALTER EXTENSION durable_jobs ADD TABLE durable_jobs.durable_job;

@@ -1,7 +1,10 @@
 -- Handlers: the SQL function or procedure the background worker runs for each job kind.
 CREATE TABLE durable_jobs.durable_job_handler (
     job_kind      pg_catalog.text PRIMARY KEY,
-    handler       pg_catalog.regprocedure NOT NULL,
+    -- The routine's signature, schema-qualified, as regprocedure prints it with search_path =
+    -- pg_catalog. Text, not regprocedure: pg_upgrade refuses tables with regprocedure columns
+    -- (their OIDs would not survive), and pg_dump restores a name, not an OID, anyway.
+    handler       pg_catalog.text NOT NULL,
     registered_by pg_catalog.name NOT NULL,
     registered_at pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
     CONSTRAINT durable_job_handler_kind_not_empty CHECK (job_kind <> '')

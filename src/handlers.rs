@@ -26,12 +26,28 @@ const MAY_CHANGE_REGISTRATION: &str = "
     FROM durable_jobs.durable_job_handler h WHERE h.job_kind = $1
     FOR UPDATE";
 
-const UPSERT_HANDLER: &str = "
-    INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
-    VALUES ($1, $2::pg_catalog.oid::pg_catalog.regprocedure, $3::pg_catalog.name)
-    ON CONFLICT (job_kind) DO UPDATE
-    SET handler = excluded.handler, registered_by = excluded.registered_by,
-        registered_at = pg_catalog.now()";
+/// The registration upsert, storing the handler as `$handler`, an expression over the oid $2.
+macro_rules! upsert_handler {
+    ($handler:literal) => {
+        concat!(
+            "INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+             VALUES ($1, ",
+            $handler,
+            ", $3::pg_catalog.name)
+             ON CONFLICT (job_kind) DO UPDATE
+             SET handler = excluded.handler, registered_by = excluded.registered_by,
+                 registered_at = pg_catalog.now()"
+        )
+    };
+}
+
+// The schema of 0.1.0 stored the handler as regprocedure, later ones as its schema-qualified
+// text; the library serves both until ALTER EXTENSION durable_jobs UPDATE.
+const UPSERT_HANDLER: &str = upsert_handler!("$2::pg_catalog.oid::pg_catalog.regprocedure::pg_catalog.text");
+const UPSERT_HANDLER_AS_REGPROCEDURE: &str = upsert_handler!("$2::pg_catalog.oid::pg_catalog.regprocedure");
+const HANDLER_IS_TEXT: &str = "
+    SELECT a.atttypid = 'pg_catalog.text'::pg_catalog.regtype FROM pg_catalog.pg_attribute a
+    WHERE a.attrelid = 'durable_jobs.durable_job_handler'::pg_catalog.regclass AND a.attname = 'handler'";
 
 fn refuse_foreign_registration(job_kind: &str, caller: &Caller) -> bool {
     let allowed = first_value_of::<bool>(
@@ -84,8 +100,12 @@ fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regpro
     }
     as_extension_owner(|| {
         refuse_foreign_registration(&job_kind, &caller);
+        let upsert = match first_value_of::<bool>(HANDLER_IS_TEXT, &[]) {
+            Some(false) => UPSERT_HANDLER_AS_REGPROCEDURE,
+            _ => UPSERT_HANDLER,
+        };
         Spi::run_with_args(
-            UPSERT_HANDLER,
+            upsert,
             &[job_kind.as_str().into(), handler.into(), caller.role_name.as_str().into()],
         )
         .expect("register handler");

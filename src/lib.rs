@@ -43,7 +43,11 @@ pub extern "C-unwind" fn _PG_init() {
         settings::register_postmaster_settings();
         metrics::init_shared_memory();
         wakeup::init_shared_memory();
-        worker::register_workers();
+        // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
+        // the databases: a worker connected to one makes its restore fail.
+        if !unsafe { pg_sys::IsBinaryUpgrade } {
+            worker::register_workers();
+        }
     }
     settings::reserve_prefix();
 }

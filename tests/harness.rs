@@ -130,6 +130,13 @@ impl Cluster {
         self.bin_dir.join(name)
     }
 
+    /// Runs a server program (pg_upgrade, for instance) as the server's OS user, in `dir`.
+    pub fn run_server_program(&self, name: &str, args: &[String], dir: &Path) -> std::process::Output {
+        let mut command = server_command(&self.program(name));
+        command.args(args).current_dir(dir);
+        command.output().unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
     /// Connects to another database of this cluster.
     pub fn connect_to(&self, database: &str) -> Client {
         let dsn = format!("host=127.0.0.1 port={} user=postgres dbname={database}", self.port);

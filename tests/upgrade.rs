@@ -292,3 +292,60 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
         "the rollback keeps the jobs"
     );
 }
+
+#[test]
+fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
+    let old = Cluster::start("");
+    let mut client = old.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
+             FROM generate_series(1, 3) g;
+             SELECT durable_jobs.pause_durable_job_queue('paused');",
+        )
+        .unwrap();
+    let tables =
+        ["durable_jobs.durable_job", "durable_jobs.durable_job_handler", "durable_jobs.durable_job_queue"];
+    let snapshot = |client: &mut Client| -> Vec<Vec<String>> {
+        tables.iter().map(|table| table_rows(client, table, "1")).collect()
+    };
+    let before = snapshot(&mut client);
+    drop(client);
+    old.pg_ctl(&["stop", "-w"]);
+
+    // Preloaded, so that the binary-upgrade servers pg_upgrade starts load durable_jobs too; the
+    // worker stays off until the comparison is done.
+    let new = Cluster::start_without_extension(
+        "shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '50ms'",
+    );
+    new.pg_ctl(&["stop", "-w"]);
+    let args = [
+        format!("--old-datadir={}", old.data_dir.display()),
+        format!("--new-datadir={}", new.data_dir.display()),
+        format!("--old-bindir={}", old.program("").display()),
+        format!("--new-bindir={}", new.program("").display()),
+        format!("--old-port={}", old.port),
+        format!("--new-port={}", new.port),
+        format!("--socketdir={}", new.data_dir.display()),
+    ];
+    let work_dir = new.data_dir.parent().expect("cluster root");
+    let output = new.run_server_program("pg_upgrade", &args, work_dir);
+    assert!(
+        output.status.success(),
+        "pg_upgrade refused the cluster:\n{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+
+    new.pg_ctl(&["start", "-w", "-t", "60"]);
+    let mut client = new.connect();
+    assert_eq!(snapshot(&mut client), before, "jobs, handlers and queue controls come through as they were");
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(Duration::from_secs(30), "the upgraded cluster's worker to run the jobs", || {
+        count(&mut client, "SELECT count(*) FROM public.effects") == 3
+    });
+}
