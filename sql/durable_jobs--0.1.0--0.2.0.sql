@@ -1,5 +1,6 @@
--- durable_jobs 0.1.0 to 0.2.0: adds prune_durable_jobs; pg_dump dumps the jobs; pg_upgrade works. Run by ALTER EXTENSION durable_jobs UPDATE;
--- tests/upgrade.rs checks that the result equals a fresh 0.2.0 install.
+-- durable_jobs 0.1.0 to 0.2.0: adds prune_durable_jobs; pg_dump dumps the jobs; pg_upgrade works.
+-- Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result equals a
+-- fresh 0.2.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
 CREATE FUNCTION durable_jobs.prune_durable_jobs(older_than pg_catalog.interval,

@@ -4,9 +4,10 @@
 //! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
-//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause and resume),
-//! `retention` (deleting finished jobs), `worker` (the background worker loop), `execution`
-//! (running one handler), `wakeup` (latches set at enqueue commit), `metrics`.
+//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause,
+//! resume, concurrency limits), `retention` (deleting finished jobs), `worker` (the background
+//! worker loop), `execution` (running one handler), `wakeup` (latches set at enqueue commit),
+//! `metrics`.
 
 use pgrx::prelude::*;
 
