@@ -31,7 +31,7 @@ const LOAD_JOBS: &str = "
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
-    LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler::pg_catalog.text)
+    LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
     LEFT JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
     WHERE j.job_state = 'running' AND j.lease_owner = $3";
