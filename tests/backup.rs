@@ -2,44 +2,26 @@
 //! brings back every job, handler registration and queue control as it was, with the job_id
 //! sequence past the restored jobs and running jobs' leases still fencing.
 
-use harness::{count, table_rows, Cluster};
+use harness::{count, extension_data, run, Cluster, RECORD_HANDLER};
 use postgres::Client;
 use std::process::Command;
-
-const DATA_TABLES: [(&str, &str); 3] = [
-    ("durable_jobs.durable_job", "job_id"),
-    ("durable_jobs.durable_job_handler", "job_kind"),
-    ("durable_jobs.durable_job_queue", "queue_name"),
-];
-
-fn snapshot(client: &mut Client) -> Vec<Vec<String>> {
-    DATA_TABLES.iter().map(|(table, order_by)| table_rows(client, table, order_by)).collect()
-}
-
-fn run(command: &mut Command, what: &str) {
-    let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(output.status.success(), "{what} failed: {}", String::from_utf8_lossy(&output.stderr));
-}
 
 #[test]
 fn pg_dump_and_pg_restore_bring_back_every_job_and_lease() {
     let cluster = Cluster::start("");
     let mut client = cluster.connect();
     client
-        .batch_execute(
-            "CREATE TABLE public.effects (n integer);
-             CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
-             SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');
+        .batch_execute(&format!(
+            "{RECORD_HANDLER}
              SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
              FROM generate_series(1, 3) g;
-             SELECT durable_jobs.enqueue_durable_job('external', '{\"step\": 1}', 'key-1', queue_name => 'held');
-             SELECT durable_jobs.enqueue_durable_job('external', '{\"step\": 2}', queue_name => 'gone');
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 1}}', 'key-1', queue_name => 'held');
+             SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 2}}', queue_name => 'gone');
              SELECT durable_jobs.cancel_durable_job(job_id) FROM durable_jobs.durable_job
              WHERE queue_name = 'gone';
              SELECT durable_jobs.pause_durable_job_queue('paused');
-             SELECT durable_jobs.set_durable_job_queue_concurrency('held', 3);",
-        )
+             SELECT durable_jobs.set_durable_job_queue_concurrency('held', 3);"
+        ))
         .expect("fill the queue");
     let lease = client
         .query_one(
@@ -48,29 +30,31 @@ fn pg_dump_and_pg_restore_bring_back_every_job_and_lease() {
         )
         .expect("claim");
     let (held_job, held_token): (i64, String) = (lease.get(0), lease.get(1));
-    let before = snapshot(&mut client);
+    let before = extension_data(&mut client);
     let last_job_id = count(&mut client, "SELECT max(job_id) FROM durable_jobs.durable_job");
 
     let dump = cluster.data_dir.with_extension("dump");
-    run(
-        Command::new(cluster.program("pg_dump"))
-            .args(["--format=custom", "--host=127.0.0.1", "--username=postgres", "--dbname=postgres"])
-            .arg(format!("--port={}", cluster.port))
-            .arg(format!("--file={}", dump.display())),
-        "pg_dump",
-    );
+    let mut pg_dump = Command::new(cluster.program("pg_dump"));
+    pg_dump
+        .arg("--format=custom")
+        .arg(format!("--dbname={}", cluster.connection_string()))
+        .arg(format!("--file={}", dump.display()));
+    run(pg_dump, "pg_dump");
     client.batch_execute("CREATE DATABASE restored").unwrap();
-    run(
-        Command::new(cluster.program("pg_restore"))
-            .args(["--exit-on-error", "--host=127.0.0.1", "--username=postgres", "--dbname=restored"])
-            .arg(format!("--port={}", cluster.port))
-            .arg(&dump),
-        "pg_restore",
-    );
+    let mut pg_restore = Command::new(cluster.program("pg_restore"));
+    pg_restore
+        .arg("--exit-on-error")
+        .arg(format!("--dbname={}", cluster.dsn("postgres", "restored")))
+        .arg(&dump);
+    run(pg_restore, "pg_restore");
     let _ = std::fs::remove_file(&dump);
 
     let mut restored = cluster.connect_to("restored");
-    assert_eq!(snapshot(&mut restored), before, "jobs, handlers and queue controls come back as they were");
+    assert_eq!(
+        extension_data(&mut restored),
+        before,
+        "jobs, handlers and queue controls come back as they were"
+    );
     let next_job_id = count(&mut restored, "SELECT durable_jobs.enqueue_durable_job('external', '{}')");
     assert!(next_job_id > last_job_id, "job_id {next_job_id} continues after {last_job_id}");
     let again = count(

@@ -20,6 +20,21 @@ fn examples_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/examples")
 }
 
+/// Starts `worker` against a fresh cluster holding the SETUP jobs, with a 1 s lease, and checks
+/// what it does with them.
+fn run_example_worker(mut worker: Command, what: &str) {
+    let cluster = Cluster::start("");
+    cluster.connect().batch_execute(SETUP).unwrap();
+    let worker = worker
+        .env("DURABLE_JOBS_DSN", cluster.connection_string())
+        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect(what);
+    check_example_worker(&cluster, worker);
+}
+
 /// Waits for the example to finish the four jobs, stops it with SIGTERM and checks the outcome.
 fn check_example_worker(cluster: &Cluster, mut worker: Child) {
     let mut client = cluster.connect();
@@ -62,17 +77,9 @@ fn check_example_worker(cluster: &Cluster, mut worker: Child) {
 
 #[test]
 fn the_python_example_worker_runs_and_stops_cleanly() {
-    let cluster = Cluster::start("");
-    cluster.connect().batch_execute(SETUP).unwrap();
-    let worker = Command::new("python3")
-        .arg(examples_dir().join("python/worker.py"))
-        .env("DURABLE_JOBS_DSN", cluster.connection_string())
-        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 with psycopg (scripts/install-prerequisites.sh installs it)");
-    check_example_worker(&cluster, worker);
+    let mut worker = Command::new("python3");
+    worker.arg(examples_dir().join("python/worker.py"));
+    run_example_worker(worker, "python3 with psycopg (scripts/install-prerequisites.sh installs it)");
 }
 
 #[test]
@@ -87,14 +94,8 @@ fn the_rust_example_worker_runs_and_stops_cleanly() {
         .status()
         .expect("cargo build of the Rust example");
     assert!(built.success());
-    let cluster = Cluster::start("");
-    cluster.connect().batch_execute(SETUP).unwrap();
-    let worker = Command::new(target.join("debug/durable_jobs_example_worker"))
-        .env("DURABLE_JOBS_DSN", cluster.connection_string())
-        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the built Rust example");
-    check_example_worker(&cluster, worker);
+    run_example_worker(
+        Command::new(target.join("debug/durable_jobs_example_worker")),
+        "the built Rust example",
+    );
 }

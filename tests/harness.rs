@@ -33,7 +33,8 @@ fn server_command(program: &Path) -> Command {
     }
 }
 
-fn run(mut command: Command, what: &str) {
+/// Runs `command` and panics with its output unless it succeeds.
+pub fn run(mut command: Command, what: &str) {
     let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     assert!(
         output.status.success(),
@@ -111,8 +112,13 @@ impl Cluster {
         std::fs::write(&path, conf).expect("write postgresql.conf");
     }
 
+    /// A libpq connection string for `user` to `database` of this cluster.
+    pub fn dsn(&self, user: &str, database: &str) -> String {
+        format!("host=127.0.0.1 port={} user={user} dbname={database}", self.port)
+    }
+
     pub fn connection_string(&self) -> String {
-        format!("host=127.0.0.1 port={} user=postgres dbname=postgres", self.port)
+        self.dsn("postgres", "postgres")
     }
 
     pub fn connect(&self) -> Client {
@@ -121,8 +127,7 @@ impl Cluster {
 
     /// Connects as another (login) role.
     pub fn connect_as(&self, role: &str) -> Client {
-        let dsn = format!("host=127.0.0.1 port={} user={role} dbname=postgres", self.port);
-        Client::connect(&dsn, NoTls).expect("connect to test cluster as role")
+        Client::connect(&self.dsn(role, "postgres"), NoTls).expect("connect to test cluster as role")
     }
 
     /// The path of a PostgreSQL program (pg_dump, pg_restore, ...) of this cluster's version.
@@ -139,8 +144,8 @@ impl Cluster {
 
     /// Connects to another database of this cluster.
     pub fn connect_to(&self, database: &str) -> Client {
-        let dsn = format!("host=127.0.0.1 port={} user=postgres dbname={database}", self.port);
-        Client::connect(&dsn, NoTls).expect("connect to the test cluster's database")
+        Client::connect(&self.dsn("postgres", database), NoTls)
+            .expect("connect to the test cluster's database")
     }
 
     pub fn server_log(&self) -> String {
@@ -227,6 +232,27 @@ pub fn job_outcome(client: &mut Client, selector: &str) -> (String, Option<Strin
     );
     let row = client.query_one(&query, &[]).unwrap_or_else(|e| panic!("{query}: {e}"));
     (row.get(0), row.get(1), row.get(2))
+}
+
+/// A table `public.effects (n integer)` and handler `record` for job kind `record`, which adds
+/// the payload's `n` to it.
+pub const RECORD_HANDLER: &str = "
+    CREATE TABLE public.effects (n integer);
+    CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
+        AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+    SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');";
+
+/// The rows of the extension's three data tables (jobs, handler registrations, queue controls),
+/// to show that a dump, an upgrade or a restore kept them as they were.
+pub fn extension_data(client: &mut Client) -> Vec<Vec<String>> {
+    [
+        ("durable_jobs.durable_job", "job_id"),
+        ("durable_jobs.durable_job_handler", "job_kind"),
+        ("durable_jobs.durable_job_queue", "queue_name"),
+    ]
+    .iter()
+    .map(|(table, order_by)| table_rows(client, table, order_by))
+    .collect()
 }
 
 /// Every row of `table` as text, ordered by `order_by`: a snapshot to compare whole tables with.

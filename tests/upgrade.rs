@@ -3,7 +3,9 @@
 //! catalog must then equal a fresh install of the current version, its jobs must be untouched,
 //! and work must go on. The rollback script must bring it back to a fresh 0.1.0 install.
 
-use harness::{count, job_outcome, table_rows, wait_until, Cluster, WORKER_CONF};
+use harness::{
+    count, extension_data, job_outcome, table_rows, wait_until, Cluster, RECORD_HANDLER, WORKER_CONF,
+};
 use postgres::{Client, GenericClient};
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -171,10 +173,7 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
     client
         .batch_execute(&format!(
             "{OPERATOR_GRANTS}
-             CREATE TABLE public.effects (n integer);
-             CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
-             SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');
+             {RECORD_HANDLER}
              SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
              FROM generate_series(1, 5) g;
              SELECT durable_jobs.enqueue_durable_job('external', '{{\"step\": 1}}', 'key-held',
@@ -298,22 +297,14 @@ fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
     let old = Cluster::start("");
     let mut client = old.connect();
     client
-        .batch_execute(
-            "CREATE TABLE public.effects (n integer);
-             CREATE FUNCTION public.record_effect(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
-             SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)');
+        .batch_execute(&format!(
+            "{RECORD_HANDLER}
              SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
              FROM generate_series(1, 3) g;
-             SELECT durable_jobs.pause_durable_job_queue('paused');",
-        )
+             SELECT durable_jobs.pause_durable_job_queue('paused');"
+        ))
         .unwrap();
-    let tables =
-        ["durable_jobs.durable_job", "durable_jobs.durable_job_handler", "durable_jobs.durable_job_queue"];
-    let snapshot = |client: &mut Client| -> Vec<Vec<String>> {
-        tables.iter().map(|table| table_rows(client, table, "1")).collect()
-    };
-    let before = snapshot(&mut client);
+    let before = extension_data(&mut client);
     drop(client);
     old.pg_ctl(&["stop", "-w"]);
 
@@ -342,7 +333,11 @@ fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
 
     new.pg_ctl(&["start", "-w", "-t", "60"]);
     let mut client = new.connect();
-    assert_eq!(snapshot(&mut client), before, "jobs, handlers and queue controls come through as they were");
+    assert_eq!(
+        extension_data(&mut client),
+        before,
+        "jobs, handlers and queue controls come through as they were"
+    );
     client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
     client.batch_execute("SELECT pg_reload_conf()").unwrap();
     wait_until(Duration::from_secs(30), "the upgraded cluster's worker to run the jobs", || {
