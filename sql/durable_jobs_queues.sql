@@ -17,10 +17,10 @@ COMMENT ON TABLE durable_jobs.durable_job_queue IS
     'Queue controls. Write through pause_durable_job_queue, resume_durable_job_queue and '
     'set_durable_job_queue_concurrency.';
 
--- Jobs of a queue that hold a live lease.
+-- Jobs of a queue that hold a live lease. VOLATILE: it reads clock_timestamp().
 CREATE FUNCTION durable_jobs.durable_job_queue_running(queue pg_catalog.text)
     RETURNS pg_catalog.int8
-    LANGUAGE sql STABLE PARALLEL SAFE
+    LANGUAGE sql VOLATILE PARALLEL SAFE
     SET search_path = pg_catalog, pg_temp
 AS $body$
     SELECT pg_catalog.count(*) FROM durable_jobs.durable_job j
@@ -30,16 +30,20 @@ $body$;
 
 -- Whether a limited queue can take one more running job, asked by claims for each candidate
 -- of such a queue. Claimers of one limited queue take turns on a per-queue advisory lock held
--- to the end of the claiming transaction, so the next one counts the claims of the one before;
--- claimers of other queues never wait for it.
+-- to the end of the claiming transaction, so the next one counts the claims of the one before.
+-- A claim never waits for it: while another transaction holds the lock, the queue counts as
+-- full for this claim, so no session holding it (anyone can take an advisory lock) can stall a
+-- claimer, and claimers of two limited queues cannot deadlock.
 CREATE FUNCTION durable_jobs.durable_job_queue_has_capacity(queue pg_catalog.text)
     RETURNS pg_catalog.bool
     LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
     SET search_path = pg_catalog, pg_temp
 AS $body$
 BEGIN
-    PERFORM pg_catalog.pg_advisory_xact_lock(
-        pg_catalog.hashtext('durable_jobs queue'), pg_catalog.hashtext(queue));
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(
+            pg_catalog.hashtext('durable_jobs queue'), pg_catalog.hashtext(queue)) THEN
+        RETURN false;
+    END IF;
     RETURN durable_jobs.durable_job_queue_running(queue) < COALESCE((SELECT q.concurrency_limit FROM durable_jobs.durable_job_queue q
                      WHERE q.queue_name = queue), 2147483647);
 END

@@ -27,16 +27,23 @@ const MAY_CHANGE_REGISTRATION: &str = "
     FOR UPDATE";
 
 /// The registration upsert, storing the handler as `$handler`, an expression over the oid $2.
+/// An existing registration is replaced only when the caller ($4, superuser $5) has the
+/// privileges of the role that made it; the check runs on the row as locked by the upsert, so
+/// that of two roles registering a new kind at once, the later one is refused, not obeyed.
 macro_rules! upsert_handler {
     ($handler:literal) => {
         concat!(
-            "INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+            "INSERT INTO durable_jobs.durable_job_handler AS h (job_kind, handler, registered_by)
              VALUES ($1, ",
             $handler,
             ", $3::pg_catalog.name)
              ON CONFLICT (job_kind) DO UPDATE
              SET handler = excluded.handler, registered_by = excluded.registered_by,
-                 registered_at = pg_catalog.now()"
+                 registered_at = pg_catalog.now()
+             WHERE $5 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                                 WHERE r.rolname = h.registered_by
+                                   AND pg_catalog.pg_has_role($4, r.oid, 'USAGE'))
+             RETURNING 1"
         )
     };
 }
@@ -49,19 +56,20 @@ const HANDLER_IS_TEXT: &str = "
     SELECT a.atttypid = 'pg_catalog.text'::pg_catalog.regtype FROM pg_catalog.pg_attribute a
     WHERE a.attrelid = 'durable_jobs.durable_job_handler'::pg_catalog.regclass AND a.attname = 'handler'";
 
-fn refuse_foreign_registration(job_kind: &str, caller: &Caller) -> bool {
-    let allowed = first_value_of::<bool>(
+fn refuse_foreign_registration() -> ! {
+    ereport!(
+        ERROR,
+        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+        "permission denied to change the handler another role registered for this job_kind"
+    );
+}
+
+/// Whether the caller may remove the registration of a kind, locking it; None when there is none.
+fn may_change_registration(job_kind: &str, caller: &Caller) -> Option<bool> {
+    first_value_of::<bool>(
         MAY_CHANGE_REGISTRATION,
         &[job_kind.into(), caller.role_oid.into(), caller.is_superuser.into()],
-    );
-    if allowed == Some(false) {
-        ereport!(
-            ERROR,
-            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            "permission denied to change the handler another role registered for this job_kind"
-        );
-    }
-    allowed.is_some()
+    )
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -99,16 +107,20 @@ fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regpro
         );
     }
     as_extension_owner(|| {
-        refuse_foreign_registration(&job_kind, &caller);
         let upsert = match first_value_of::<bool>(HANDLER_IS_TEXT, &[]) {
             Some(false) => UPSERT_HANDLER_AS_REGPROCEDURE,
             _ => UPSERT_HANDLER,
         };
-        Spi::run_with_args(
-            upsert,
-            &[job_kind.as_str().into(), handler.into(), caller.role_name.as_str().into()],
-        )
-        .expect("register handler");
+        let args = [
+            job_kind.as_str().into(),
+            handler.into(),
+            caller.role_name.as_str().into(),
+            caller.role_oid.into(),
+            caller.is_superuser.into(),
+        ];
+        if first_value_of::<i32>(upsert, &args).is_none() {
+            refuse_foreign_registration();
+        }
     });
 }
 
@@ -118,8 +130,10 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
     let job_kind = arguments::name(job_kind, "job_kind");
     let caller = caller();
     as_extension_owner(|| {
-        if !refuse_foreign_registration(&job_kind, &caller) {
-            return false;
+        match may_change_registration(&job_kind, &caller) {
+            None => return false,
+            Some(false) => refuse_foreign_registration(),
+            Some(true) => {}
         }
         Spi::run_with_args(
             "DELETE FROM durable_jobs.durable_job_handler WHERE job_kind = $1",

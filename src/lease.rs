@@ -72,7 +72,19 @@ pub(crate) const CLAIM: &str = concat!(
           AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
                           WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
                             AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
-          AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))
+          -- The background worker takes a kind only from the enqueuers its registration serves:
+          -- a superuser's registration serves every role, another role's only the roles that
+          -- have its privileges, so nobody can take over the jobs of a kind others serve.
+          AND (NOT $4 OR EXISTS (
+                SELECT 1 FROM durable_jobs.durable_job_handler h
+                WHERE h.job_kind = durable_job.job_kind
+                  AND (h.registered_by = durable_job.enqueued_by
+                       OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles g
+                                  WHERE g.rolname = h.registered_by
+                                    AND (g.rolsuper OR EXISTS (
+                                         SELECT 1 FROM pg_catalog.pg_roles e
+                                         WHERE e.rolname = durable_job.enqueued_by
+                                           AND pg_catalog.pg_has_role(e.oid, g.oid, 'USAGE')))))))
         ORDER BY priority DESC, run_after, job_id
         LIMIT $5
         FOR UPDATE OF durable_job SKIP LOCKED)
@@ -133,6 +145,19 @@ const EXTEND: &str = concat!(
     "
     RETURNING lease_expires_at"
 );
+
+// The background worker's renewal of the leases of a batch's jobs not yet run, so that each
+// handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
+// EXTEND; returns each renewed job with its new expiry in Unix microseconds.
+const RENEW_BATCH: &str = "
+    UPDATE durable_jobs.durable_job j
+    SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+        updated_at = pg_catalog.clock_timestamp()
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         AS c(job_id, lease_token)
+    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_state = 'running'
+      AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may cancel it too.
@@ -292,6 +317,21 @@ pub fn fail_job(job_id: i64, worker_id: &str, lease_token: Uuid, code: FailureCo
         Some(_) => "failed",
         None => "stale",
     }
+}
+
+/// Renews the leases of `jobs` held by `worker_id`; returns (job_id, new expiry in Unix
+/// microseconds) for each lease that was still live.
+pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Vec<(i64, i64)> {
+    let ids: Vec<i64> = jobs.iter().map(|(id, _)| *id).collect();
+    let tokens: Vec<Uuid> = jobs.iter().map(|(_, token)| *token).collect();
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            let args = [ids.into(), tokens.into(), worker_id.into(), f64::from(lease_seconds).into()];
+            plans::execute(client, RENEW_BATCH, &args)
+                .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
+                .collect()
+        })
+    })
 }
 
 #[pg_extern(volatile, parallel_unsafe)]

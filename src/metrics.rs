@@ -76,8 +76,29 @@ pub fn init_shared_memory() {
 }
 
 pub fn count(counter: Counter) {
-    if SHARED_MEMORY.load(Ordering::Relaxed) {
-        COUNTERS.get().0[counter as usize].fetch_add(1, Ordering::Relaxed);
+    add(counter, 1);
+}
+
+fn add(counter: Counter, amount: u64) {
+    if SHARED_MEMORY.load(Ordering::Relaxed) && amount > 0 {
+        COUNTERS.get().0[counter as usize].fetch_add(amount, Ordering::Relaxed);
+    }
+}
+
+/// Outcomes of a transaction's jobs, published only once it has committed, so that the
+/// counters never count work that a failed commit rolled back.
+#[derive(Default)]
+pub struct Tally([u64; 6]);
+
+impl Tally {
+    pub fn count(&mut self, counter: Counter) {
+        self.0[counter as usize] += 1;
+    }
+
+    pub fn publish(&self) {
+        for counter in Counter::ALL {
+            add(counter, self.0[counter as usize]);
+        }
     }
 }
 

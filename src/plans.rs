@@ -7,9 +7,10 @@ use pgrx::pg_sys::PgOid;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 
 thread_local! {
-    static PLANS: RefCell<HashMap<String, OwnedPreparedStatement>> = RefCell::new(HashMap::new());
+    static PLANS: RefCell<HashMap<String, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::new());
 }
 
 /// Executes `query` with `args`, preparing it on first use with the argument types of `args`
@@ -19,13 +20,17 @@ pub fn execute<'conn>(
     query: &str,
     args: &[DatumWithOid],
 ) -> SpiTupleTable<'conn> {
-    PLANS.with(|plans| {
-        let mut plans = plans.borrow_mut();
-        if !plans.contains_key(query) {
+    // The map is not borrowed while the statement runs: a handler the statement calls may call
+    // the extension's own functions, which use this map too.
+    let kept = PLANS.with(|plans| plans.borrow().get(query).cloned());
+    let plan = match kept {
+        Some(plan) => plan,
+        None => {
             let types: Vec<PgOid> = args.iter().map(|arg| PgOid::from(arg.oid())).collect();
-            let plan = client.prepare_mut(query, &types).expect(query).keep();
-            plans.insert(query.to_owned(), plan);
+            let plan = Rc::new(client.prepare_mut(query, &types).expect(query).keep());
+            PLANS.with(|plans| plans.borrow_mut().insert(query.to_owned(), Rc::clone(&plan)));
+            plan
         }
-        client.update(&plans[query], None, args).expect(query)
-    })
+    };
+    client.update(&*plan, None, args).expect(query)
 }

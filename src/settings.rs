@@ -28,6 +28,10 @@ pub static WORKER_COUNT: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// The database the background workers connect to (restart to change).
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
+/// The role the background workers connect as (restart to change); empty: the bootstrap
+/// superuser.
+pub static WORKER_ROLE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
 /// How many jobs a background worker claims per transaction.
 pub static CLAIM_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// How long finished jobs are kept before the workers delete them, in seconds; 0 keeps them.
@@ -178,10 +182,23 @@ pub fn register_postmaster_settings() {
         GucContext::Postmaster,
         GucFlags::default(),
     );
+    GucRegistry::define_string_guc(
+        c"durable_jobs.worker_role",
+        c"The role the durable_jobs background workers connect as.",
+        c"A login role that need not be a superuser; empty means the bootstrap superuser. Needs a restart.",
+        &WORKER_ROLE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
 }
 
 pub fn database() -> String {
     DATABASE.get().map(|d| d.to_string_lossy().into_owned()).unwrap_or_else(|| "postgres".into())
+}
+
+/// The role named by `durable_jobs.worker_role`, or None for the bootstrap superuser.
+pub fn worker_role() -> Option<String> {
+    WORKER_ROLE.get().map(|r| r.to_string_lossy().into_owned()).filter(|r| !r.is_empty())
 }
 
 pub fn poll_interval() -> std::time::Duration {

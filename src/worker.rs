@@ -1,18 +1,22 @@
 //! The background worker: poll, claim one job whose kind has a handler, run it, repeat.
 //!
 //! Transaction 1 claims and commits the lease, so a crash after it loses nothing: the job is
-//! claimed again once the lease expires. Transaction 2 runs the handler (see `execution`).
+//! claimed again once the lease expires. Transaction 2 runs the handlers (see `execution`).
+//! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
+//! run again job by job.
 
 use crate::execution;
+use crate::failure::FailureCode;
 use crate::lease;
-use crate::metrics::{self, Counter};
-use crate::privilege::with_pinned_search_path;
+use crate::metrics::{self, Counter, Tally};
+use crate::privilege::{as_extension_owner, with_pinned_search_path};
 use crate::retention;
 use crate::settings;
 use crate::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::Uuid;
 use std::time::{Duration, Instant};
 
 pub const WORKER_TYPE: &str = "durable_jobs worker";
@@ -44,52 +48,89 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
-    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), None);
-    set_application_name(number);
+    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), settings::worker_role().as_deref());
+    set_session_option(c"application_name", &format!("{WORKER_TYPE} {number}"));
+    // The fences rely on READ COMMITTED's re-check of a row updated concurrently; under a
+    // configured REPEATABLE READ default they would raise serialization failures instead.
+    set_session_option(c"default_transaction_isolation", "read committed");
     wakeup::publish_worker(number);
     log!("{WORKER_TYPE} {number} started");
 
     let worker_id = format!("durable_jobs-worker-{number}");
     let mut last_prune = Instant::now();
     loop {
-        pg_sys::check_for_interrupts!();
-        if BackgroundWorker::sighup_received() {
-            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
+        // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
+        let found_job = in_transaction_or_logged("poll", || {
+            pg_sys::check_for_interrupts!();
+            if BackgroundWorker::sighup_received() {
+                unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+            }
+            let enabled = settings::WORKER_ENABLED.get();
+            let found_job = enabled && poll_once(&worker_id);
+            if enabled && last_prune.elapsed() >= PRUNE_EVERY {
+                prune_finished_jobs();
+                last_prune = Instant::now();
+            }
+            found_job
+        })
+        .unwrap_or(false);
+        if found_job {
+            continue;
         }
-        let enabled = settings::WORKER_ENABLED.get();
-        let found_job = enabled && poll_once(&worker_id);
-        if enabled && last_prune.elapsed() >= PRUNE_EVERY {
-            prune_finished_jobs();
-            last_prune = Instant::now();
-        }
-        if !found_job && !BackgroundWorker::wait_latch(Some(settings::poll_interval())) {
+        let wait = || BackgroundWorker::wait_latch(Some(settings::poll_interval()));
+        if !in_transaction_or_logged("wait", wait).unwrap_or(true) {
             break;
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
 }
 
-/// Names the worker in pg_stat_activity.application_name, beside its backend_type.
-fn set_application_name(number: i32) {
-    let name = std::ffi::CString::new(format!("{WORKER_TYPE} {number}")).expect("no NUL");
+/// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
+/// the role set.
+fn set_session_option(name: &std::ffi::CStr, value: &str) {
+    let value = std::ffi::CString::new(value).expect("no NUL");
     unsafe {
         pg_sys::SetConfigOption(
-            c"application_name".as_ptr(),
             name.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
         );
+    }
+}
+
+/// Runs `f` and returns its result; when `f` raises an error (which aborts the transaction it
+/// ran in, the commit included), rolls back, and returns the error's SQLSTATE.
+fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
+        .catch_others(|error| {
+            execution::disarm_statement_timeout();
+            unsafe { pg_sys::AbortCurrentTransaction() };
+            Err(execution::sqlstate_of(&error))
+        })
+        .execute()
+}
+
+/// `in_transaction`, logging an error (its SQLSTATE, never its text, which may quote data).
+fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
+    match in_transaction(f) {
+        Ok(result) => Some(result),
+        Err(sqlstate) => {
+            log!("{WORKER_TYPE}: {what} failed with SQLSTATE {sqlstate}; rolled back");
+            None
+        }
     }
 }
 
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs and run them, each in its own
 /// subtransaction, all finished in one commit. Returns whether any job was claimed.
 fn poll_once(worker_id: &str) -> bool {
+    let lease_seconds = settings::default_lease_seconds();
     let claimed = BackgroundWorker::transaction(|| {
         if !extension_ready() {
             return None;
         }
-        let lease_seconds = settings::default_lease_seconds();
         let batch = settings::CLAIM_BATCH_SIZE.get();
         let jobs = with_pinned_search_path(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
         Some(jobs.into_iter().map(|job| (job.job_id, job.lease_token)).collect::<Vec<_>>())
@@ -105,8 +146,52 @@ fn poll_once(worker_id: &str) -> bool {
             for _ in &jobs {
                 metrics::count(Counter::Claimed);
             }
-            BackgroundWorker::transaction(|| execution::run_jobs(&jobs, worker_id));
+            run_batch(&jobs, worker_id, lease_seconds);
             true
+        }
+    }
+}
+
+/// Runs a claimed batch in one transaction. If that transaction fails as a whole (an error
+/// outside any one job's subtransaction, or at commit), nothing of it is kept and each job is
+/// run again alone, so that the error stays with the job that caused it; a job whose own
+/// transaction fails at commit is failed with that error's code.
+fn run_batch(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
+    let run = |jobs: &[(i64, Uuid)]| {
+        in_transaction(|| {
+            BackgroundWorker::transaction(|| execution::run_jobs(jobs, worker_id, lease_seconds))
+        })
+    };
+    let sqlstate = match run(jobs) {
+        Ok(tally) => return tally.publish(),
+        Err(sqlstate) => sqlstate,
+    };
+    if jobs.len() > 1 {
+        log!(
+            "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
+             running its jobs one by one",
+            jobs.len()
+        );
+    }
+    for job in jobs {
+        let sqlstate = match run(std::slice::from_ref(job)) {
+            Ok(tally) => {
+                tally.publish();
+                continue;
+            }
+            Err(sqlstate) => sqlstate,
+        };
+        let (job_id, lease_token) = *job;
+        let recorded = in_transaction_or_logged("recording a failure", || {
+            BackgroundWorker::transaction(|| {
+                let mut tally = Tally::default();
+                let code = FailureCode::from_sqlstate(&sqlstate);
+                execution::record_failure(job_id, lease_token, worker_id, code, &mut tally);
+                tally
+            })
+        });
+        if let Some(tally) = recorded {
+            tally.publish();
         }
     }
 }
@@ -128,7 +213,9 @@ fn prune_finished_jobs() {
                 return 0;
             }
             let older_than = Interval::from_seconds(f64::from(retention));
-            with_pinned_search_path(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
+            as_extension_owner(|| {
+                with_pinned_search_path(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
+            })
         });
         if deleted < PRUNE_BATCH {
             break;

@@ -2,8 +2,7 @@
 //! brings back every job, handler registration and queue control as it was, with the job_id
 //! sequence past the restored jobs and running jobs' leases still fencing.
 
-use harness::{count, extension_data, run, Cluster, RECORD_HANDLER};
-use postgres::Client;
+use harness::{claim_from, complete, count, extension_data, run, Cluster, RECORD_HANDLER};
 use std::process::Command;
 
 #[test]
@@ -23,13 +22,7 @@ fn pg_dump_and_pg_restore_bring_back_every_job_and_lease() {
              SELECT durable_jobs.set_durable_job_queue_concurrency('held', 3);"
         ))
         .expect("fill the queue");
-    let lease = client
-        .query_one(
-            "SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('ext-1', '{held}', 3600)",
-            &[],
-        )
-        .expect("claim");
-    let (held_job, held_token): (i64, String) = (lease.get(0), lease.get(1));
+    let held = claim_from(&mut client, "ext-1", "held", 3600).expect("a job to claim");
     let before = extension_data(&mut client);
     let last_job_id = count(&mut client, "SELECT max(job_id) FROM durable_jobs.durable_job");
 
@@ -61,16 +54,7 @@ fn pg_dump_and_pg_restore_bring_back_every_job_and_lease() {
         &mut restored,
         "SELECT durable_jobs.enqueue_durable_job('external', '{\"step\": 1}', 'key-1', queue_name => 'held')",
     );
-    assert_eq!(again, held_job, "idempotency keys survive the restore");
-    let completion = |client: &mut Client, worker: &str| -> String {
-        client
-            .query_one(
-                "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
-                &[&held_job, &worker, &held_token],
-            )
-            .unwrap()
-            .get(0)
-    };
-    assert_eq!(completion(&mut restored, "ext-2"), "stale", "the restored lease still fences");
-    assert_eq!(completion(&mut restored, "ext-1"), "succeeded", "and its holder can finish the job");
+    assert_eq!(again, held.job_id, "idempotency keys survive the restore");
+    assert_eq!(complete(&mut restored, &held, "ext-2"), "stale", "the restored lease still fences");
+    assert_eq!(complete(&mut restored, &held, "ext-1"), "succeeded", "and its holder can finish the job");
 }

@@ -266,6 +266,50 @@ pub fn table_rows(client: &mut impl postgres::GenericClient, table: &str, order_
         .collect()
 }
 
+/// A job as claim_next_durable_job hands it out.
+pub struct Claimed {
+    pub job_id: i64,
+    pub lease_token: String,
+    pub attempt_count: i32,
+}
+
+/// Claims the next job of any queue for `worker`.
+pub fn claim(client: &mut Client, worker: &str, lease_seconds: i32) -> Option<Claimed> {
+    claim_in(client, worker, None, lease_seconds)
+}
+
+/// Claims the next job of `queue` for `worker`.
+pub fn claim_from(client: &mut Client, worker: &str, queue: &str, lease_seconds: i32) -> Option<Claimed> {
+    claim_in(client, worker, Some(vec![queue]), lease_seconds)
+}
+
+fn claim_in(
+    client: &mut Client,
+    worker: &str,
+    queues: Option<Vec<&str>>,
+    lease_seconds: i32,
+) -> Option<Claimed> {
+    client
+        .query_opt(
+            "SELECT job_id, lease_token::text, attempt_count
+             FROM durable_jobs.claim_next_durable_job($1, $2::text[], $3)",
+            &[&worker, &queues, &lease_seconds],
+        )
+        .unwrap_or_else(|e| panic!("claim: {}", error_text(&e)))
+        .map(|r| Claimed { job_id: r.get(0), lease_token: r.get(1), attempt_count: r.get(2) })
+}
+
+/// complete_durable_job for `job` as `worker`: `succeeded` or `stale`.
+pub fn complete(client: &mut Client, job: &Claimed, worker: &str) -> String {
+    client
+        .query_one(
+            "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
+            &[&job.job_id, &worker, &job.lease_token],
+        )
+        .unwrap_or_else(|e| panic!("complete: {}", error_text(&e)))
+        .get(0)
+}
+
 /// The value of one metric from durable_job_metrics().
 pub fn metric(client: &mut Client, name: &str) -> i64 {
     client

@@ -1,7 +1,7 @@
 //! Many connections against one real cluster: claims never overlap, fencing holds across
 //! sessions, and cancel races complete cleanly.
 
-use harness::{sqlstate, Cluster};
+use harness::{claim, complete, sqlstate, Cluster};
 use postgres::Client;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -17,33 +17,6 @@ fn enqueue(client: &mut Client, kind: &str, n: i64) -> Vec<i64> {
         )
         .expect("enqueue");
     rows.iter().map(|r| r.get(0)).collect()
-}
-
-struct Claimed {
-    job_id: i64,
-    lease_token: String,
-    attempt_count: i32,
-}
-
-fn claim(client: &mut Client, worker: &str, lease_seconds: i32) -> Option<Claimed> {
-    client
-        .query_opt(
-            "SELECT job_id, lease_token::text, attempt_count
-             FROM durable_jobs.claim_next_durable_job($1, NULL, $2)",
-            &[&worker, &lease_seconds],
-        )
-        .expect("claim")
-        .map(|r| Claimed { job_id: r.get(0), lease_token: r.get(1), attempt_count: r.get(2) })
-}
-
-fn complete(client: &mut Client, job: &Claimed, worker: &str) -> String {
-    client
-        .query_one(
-            "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
-            &[&job.job_id, &worker, &job.lease_token],
-        )
-        .expect("complete")
-        .get(0)
 }
 
 fn job_state(client: &mut Client, job_id: i64) -> String {

@@ -4,7 +4,8 @@
 //! and work must go on. The rollback script must bring it back to a fresh 0.1.0 install.
 
 use harness::{
-    count, extension_data, job_outcome, table_rows, wait_until, Cluster, RECORD_HANDLER, WORKER_CONF,
+    claim_from, complete, count, extension_data, job_outcome, table_rows, wait_until, Cluster,
+    RECORD_HANDLER, WORKER_CONF,
 };
 use postgres::{Client, GenericClient};
 use std::collections::BTreeSet;
@@ -187,26 +188,9 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
              SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);"
         ))
         .expect("work on the old version");
-    let held = client
-        .query_one(
-            "SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('ext-1', '{held}', 600)",
-            &[],
-        )
-        .expect("claim on the old version");
-    let (held_job, held_token): (i64, String) = (held.get(0), held.get(1));
-    let done = client
-        .query_one(
-            "SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('ext-1', '{done}')",
-            &[],
-        )
-        .expect("claim on the old version");
-    let done_outcome = client
-        .query_one(
-            "SELECT durable_jobs.complete_durable_job($1, 'ext-1', $2::text::uuid)",
-            &[&done.get::<_, i64>(0), &done.get::<_, String>(1)],
-        )
-        .expect("complete on the old version");
-    assert_eq!(done_outcome.get::<_, String>(0), "succeeded");
+    let held = claim_from(&mut client, "ext-1", "held", 600).expect("claim on the old version");
+    let done = claim_from(&mut client, "ext-1", "done", 60).expect("claim on the old version");
+    assert_eq!(complete(&mut client, &done, "ext-1"), "succeeded", "complete on the old version");
     client
         .batch_execute(
             "SELECT durable_jobs.cancel_durable_job(job_id) FROM durable_jobs.durable_job
@@ -234,20 +218,12 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
 
     // Work goes on: the lease taken before the update still fences, the worker runs the backlog,
     // keys and queue controls still hold.
-    let stale = client
-        .query_one(
-            "SELECT durable_jobs.complete_durable_job($1, 'ext-2', $2::text::uuid)",
-            &[&held_job, &held_token],
-        )
-        .unwrap();
-    assert_eq!(stale.get::<_, String>(0), "stale", "another worker id cannot complete the held job");
-    let completed = client
-        .query_one(
-            "SELECT durable_jobs.complete_durable_job($1, 'ext-1', $2::text::uuid)",
-            &[&held_job, &held_token],
-        )
-        .unwrap();
-    assert_eq!(completed.get::<_, String>(0), "succeeded");
+    assert_eq!(
+        complete(&mut client, &held, "ext-2"),
+        "stale",
+        "another worker id cannot complete the held job"
+    );
+    assert_eq!(complete(&mut client, &held, "ext-1"), "succeeded");
     wait_until(Duration::from_secs(30), "the worker to run the jobs enqueued before the update", || {
         count(&mut client, "SELECT count(*) FROM public.effects") == 5
     });
@@ -260,7 +236,7 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
         &mut client,
         "SELECT durable_jobs.enqueue_durable_job('external', '{\"step\": 1}', 'key-held', queue_name => 'held')",
     );
-    assert_eq!(again, held_job, "an idempotency key from before the update still finds its job");
+    assert_eq!(again, held.job_id, "an idempotency key from before the update still finds its job");
     assert_eq!(job_outcome(&mut client, "queue_name = 'later'").0, "available");
     assert_eq!(
         count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_queue WHERE concurrency_limit = 2"),

@@ -1,0 +1,559 @@
+//! The worker's execution model under hostile handlers and sessions (issue "Worker hardening"):
+//! a handler never acts above its enqueuer, leaves nothing in the session for the next job, can
+//! call the extension, runs only as whom the rules allow; a held queue lock, an error at commit
+//! or a slow batch never takes the worker or the other jobs of a batch down. Each test failed
+//! against 0.2.0.
+
+use harness::{count, error_text, job_outcome, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
+use postgres::Client;
+use std::time::Duration;
+
+/// Two application roles that may enqueue and register handlers, and create in `public`.
+const APP_ROLES: &str = "
+    CREATE ROLE app_a LOGIN;
+    CREATE ROLE app_b LOGIN;
+    GRANT USAGE ON SCHEMA durable_jobs TO app_a, app_b;
+    GRANT EXECUTE ON FUNCTION
+        durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+        durable_jobs.register_durable_job_handler(text, regprocedure)
+      TO app_a, app_b;
+    GRANT CREATE ON SCHEMA public TO app_a, app_b;";
+
+fn finished(client: &mut Client) -> i64 {
+    count(client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL")
+}
+
+fn outcome_of(client: &mut Client, kind: &str) -> (String, Option<String>) {
+    let (state, code, _) = job_outcome(client, &format!("job_kind = '{kind}'"));
+    (state, code)
+}
+
+fn enqueue(client: &mut Client, kind: &str) -> i64 {
+    client
+        .query_one("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind])
+        .unwrap_or_else(|e| panic!("enqueue {kind}: {}", error_text(&e)))
+        .get(0)
+}
+
+#[test]
+fn nothing_a_handler_defers_to_commit_runs_as_the_worker() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE public.ran_as (who name, what text);
+             GRANT INSERT ON public.ran_as TO PUBLIC;",
+        )
+        .unwrap();
+    let mut app = cluster.connect_as("app_a");
+    app.batch_execute(
+        "-- Tries to make its owner superuser, and notes whom it ran as.
+         CREATE FUNCTION public.escalate(what text) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO public.ran_as VALUES (current_user, what);
+             BEGIN
+                 ALTER ROLE app_a SUPERUSER;
+             EXCEPTION WHEN insufficient_privilege THEN NULL;
+             END;
+         END $$;
+         CREATE FUNCTION public.escalate_trigger() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM public.escalate('deferred trigger');
+             RETURN NULL;
+         END $$;
+         CREATE TABLE public.orders (n integer);
+         CREATE CONSTRAINT TRIGGER orders_escalate AFTER INSERT ON public.orders
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.escalate_trigger();
+         CREATE FUNCTION public.insert_order(payload jsonb) RETURNS void LANGUAGE sql
+             AS $$ INSERT INTO public.orders VALUES (1) $$;
+         -- The same, deferred by the handler itself.
+         CREATE TABLE public.invoices (n integer);
+         CREATE CONSTRAINT TRIGGER invoices_escalate AFTER INSERT ON public.invoices
+             DEFERRABLE INITIALLY IMMEDIATE FOR EACH ROW EXECUTE FUNCTION public.escalate_trigger();
+         CREATE FUNCTION public.defer_then_insert(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             SET CONSTRAINTS ALL DEFERRED;
+             INSERT INTO public.invoices VALUES (1);
+         END $$;
+         CREATE FUNCTION public.evil() RETURNS integer LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM public.escalate('held cursor');
+             RETURN 1;
+         END $$;
+         CREATE FUNCTION public.hold_cursor(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             EXECUTE 'DECLARE held CURSOR WITH HOLD FOR SELECT public.evil()';
+         END $$;
+         CREATE FUNCTION public.become_postgres(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             SET SESSION AUTHORIZATION postgres;
+             PERFORM public.escalate('session authorization');
+         END $$;
+         SELECT durable_jobs.register_durable_job_handler('order', 'public.insert_order(jsonb)');
+         SELECT durable_jobs.register_durable_job_handler('invoice', 'public.defer_then_insert(jsonb)');
+         SELECT durable_jobs.register_durable_job_handler('cursor', 'public.hold_cursor(jsonb)');
+         SELECT durable_jobs.register_durable_job_handler('session', 'public.become_postgres(jsonb)');",
+    )
+    .unwrap();
+    for kind in ["order", "invoice", "cursor", "session"] {
+        enqueue(&mut app, kind);
+    }
+    wait_until(Duration::from_secs(30), "the four jobs to finish", || finished(&mut admin) == 4);
+
+    let rolsuper: bool =
+        admin.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = 'app_a'", &[]).unwrap().get(0);
+    assert!(!rolsuper, "a handler made its role superuser");
+    let ran_as: Vec<(String, String)> = admin
+        .query("SELECT who::text, what FROM public.ran_as ORDER BY what", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    // The deferred trigger fired inside the handler, as its role; nothing else ran at all.
+    assert_eq!(ran_as, [("app_a".to_string(), "deferred trigger".to_string())]);
+    assert_eq!(outcome_of(&mut admin, "order"), ("succeeded".into(), None));
+    for kind in ["invoice", "cursor", "session"] {
+        assert_eq!(
+            outcome_of(&mut admin, kind),
+            ("failed".into(), Some("target_rejected".into())),
+            "{kind}: refused inside the security-restricted operation"
+        );
+    }
+}
+
+#[test]
+fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
+    // One worker, one batch: both roles' jobs run in the same session and transaction.
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE public.audit_log (who name);
+             GRANT INSERT ON public.audit_log TO app_b;
+             CREATE TABLE public.seen (what text, value text);
+             GRANT INSERT ON public.seen TO PUBLIC;
+             CREATE TABLE public.secret (v text);
+             INSERT INTO public.secret VALUES ('top secret');
+             GRANT SELECT ON public.secret TO app_a;",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "CREATE FUNCTION public.leave_state(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             DECLARE
+                 leaked refcursor := 'leaked_cursor';
+             BEGIN
+                 PERFORM pg_advisory_lock(7331);
+                 BEGIN
+                     EXECUTE 'PREPARE leaked_statement AS SELECT 1';
+                 EXCEPTION WHEN insufficient_privilege THEN
+                     INSERT INTO public.seen VALUES ('prepare', 'refused');
+                 END;
+                 EXECUTE 'CREATE FUNCTION pg_temp.leaked() RETURNS int LANGUAGE sql AS $f$ SELECT 1 $f$';
+                 PERFORM set_config('work_mem', '77MB', false);
+                 OPEN leaked FOR SELECT v FROM public.secret;
+             END $$;
+             CREATE FUNCTION public.capture(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 CREATE TEMP TABLE audit_log (who name);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('leave_state', 'public.leave_state(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('capture', 'public.capture(jsonb)');",
+        )
+        .unwrap();
+    let mut app_b = cluster.connect_as("app_b");
+    app_b
+        .batch_execute(
+            "CREATE FUNCTION public.look_around(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO audit_log VALUES (current_user);
+                 INSERT INTO public.seen
+                 VALUES ('cursors', (SELECT count(*) FROM pg_cursors)::text),
+                        ('prepared', (SELECT count(*) FROM pg_prepared_statements)::text),
+                        ('temporary functions', (SELECT count(*) FROM pg_proc WHERE pronamespace = pg_my_temp_schema())::text),
+                        ('work_mem', current_setting('work_mem')),
+                        ('search_path', current_setting('search_path'));
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('look_around', 'public.look_around(jsonb)');",
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    enqueue(&mut app_a, "capture");
+    enqueue(&mut app_a, "leave_state");
+    enqueue(&mut app_b, "look_around");
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
+
+    assert_eq!(outcome_of(&mut admin, "capture"), ("failed".into(), Some("target_rejected".into())));
+    assert_eq!(outcome_of(&mut admin, "leave_state"), ("succeeded".into(), None));
+    assert_eq!(outcome_of(&mut admin, "look_around"), ("succeeded".into(), None));
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.audit_log WHERE who = 'app_b'"), 1);
+    let seen: Vec<(String, String)> = admin
+        .query("SELECT what, value FROM public.seen ORDER BY what", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let expected = [
+        ("cursors", "0"),
+        ("prepare", "refused"),
+        ("prepared", "0"),
+        ("search_path", "\"$user\", public, pg_temp"),
+        ("temporary functions", "0"),
+    ];
+    for (what, value) in expected {
+        assert!(seen.contains(&(what.to_string(), value.to_string())), "{what}: {seen:?}");
+    }
+    assert!(!seen.contains(&("work_mem".to_string(), "77MB".to_string())), "{seen:?}");
+    let lock_free: bool = admin.query_one("SELECT pg_try_advisory_lock(7331)", &[]).unwrap().get(0);
+    assert!(lock_free, "the handler's session advisory lock outlived its job");
+}
+
+#[test]
+fn a_handler_can_call_the_extension() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    let victim = {
+        client.batch_execute("CREATE TABLE public.effects (step integer)").unwrap();
+        client
+            .query_one("SELECT durable_jobs.enqueue_durable_job('nobody_runs_this', '{}')", &[])
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    client
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.second_step(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (2) $$;
+             CREATE FUNCTION public.first_step(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (1);
+                 PERFORM durable_jobs.register_durable_job_handler('second', 'public.second_step(jsonb)');
+                 PERFORM durable_jobs.enqueue_durable_job('second', '{{}}');
+                 PERFORM durable_jobs.cancel_durable_job({victim});
+                 PERFORM count(*) FROM durable_jobs.durable_job_metrics();
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('first', 'public.first_step(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('first', '{{}}');"
+        ))
+        .unwrap();
+    wait_until(Duration::from_secs(30), "both steps to run", || finished(&mut client) == 3);
+    assert_eq!(outcome_of(&mut client, "first"), ("succeeded".into(), None));
+    assert_eq!(outcome_of(&mut client, "second"), ("succeeded".into(), None));
+    assert_eq!(outcome_of(&mut client, "nobody_runs_this"), ("cancelled".into(), None));
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 2);
+}
+
+#[test]
+fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_own_roles() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (kind text, who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             -- A superuser's routine anyone may run.
+             CREATE FUNCTION public.admin_effect(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ('admin_routine', current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('admin_routine', 'public.admin_effect(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "CREATE FUNCTION public.a_effect(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (payload->>'kind', current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('a_kind', 'public.a_effect(jsonb)');",
+        )
+        .unwrap();
+    // A superuser registers app_a's routine for everyone: a superuser's job, or app_b's, must
+    // not run code app_a can redefine at any time.
+    admin
+        .batch_execute(
+            "SELECT durable_jobs.register_durable_job_handler('a_routine_for_all', 'public.a_effect(jsonb)')",
+        )
+        .unwrap();
+    let mut app_b = cluster.connect_as("app_b");
+    let enqueue_as = |client: &mut Client, kind: &str| {
+        client
+            .execute(
+                "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('kind', $1::text))",
+                &[&kind],
+            )
+            .unwrap_or_else(|e| panic!("{}", error_text(&e)));
+    };
+    enqueue_as(&mut app_a, "a_kind");
+    enqueue_as(&mut app_b, "a_kind");
+    enqueue_as(&mut app_b, "admin_routine");
+    enqueue_as(&mut app_b, "a_routine_for_all");
+    enqueue_as(&mut admin, "a_routine_for_all");
+    enqueue_as(&mut app_a, "a_routine_for_all");
+    wait_until(Duration::from_secs(30), "the runnable jobs to finish", || finished(&mut admin) == 5);
+    std::thread::sleep(Duration::from_millis(500));
+
+    let outcome = |admin: &mut Client, kind: &str, role: &str| {
+        let (state, code, _) = job_outcome(admin, &format!("job_kind = '{kind}' AND enqueued_by = '{role}'"));
+        (state, code)
+    };
+    assert_eq!(outcome(&mut admin, "a_kind", "app_a"), ("succeeded".into(), None));
+    // app_a's registration does not serve app_b: its job waits for an external worker.
+    assert_eq!(outcome(&mut admin, "a_kind", "app_b"), ("available".into(), None));
+    assert_eq!(outcome(&mut admin, "admin_routine", "app_b"), ("succeeded".into(), None));
+    let rejected = ("failed".to_string(), Some("target_rejected".to_string()));
+    assert_eq!(outcome(&mut admin, "a_routine_for_all", "app_b"), rejected);
+    assert_eq!(outcome(&mut admin, "a_routine_for_all", "postgres"), rejected);
+    assert_eq!(outcome(&mut admin, "a_routine_for_all", "app_a"), ("succeeded".into(), None));
+    let effects: Vec<(String, String)> = admin
+        .query("SELECT kind, who::text FROM public.effects ORDER BY kind, who", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let expected = [("a_kind", "app_a"), ("a_routine_for_all", "app_a"), ("admin_routine", "app_b")];
+    assert_eq!(effects, expected.map(|(k, w)| (k.to_string(), w.to_string())));
+}
+
+#[test]
+fn of_two_roles_registering_a_new_kind_at_once_the_later_is_refused() {
+    let cluster = Cluster::start("");
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    for (client, role) in [(&mut app_a, "a"), (&mut app_b, "b")] {
+        client
+            .batch_execute(&format!(
+                "CREATE FUNCTION public.handler_{role}(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$"
+            ))
+            .unwrap();
+    }
+    let mut first = app_a.transaction().unwrap();
+    first
+        .batch_execute("SELECT durable_jobs.register_durable_job_handler('race', 'public.handler_a(jsonb)')")
+        .unwrap();
+    let second = std::thread::spawn(move || {
+        app_b
+            .batch_execute(
+                "SELECT durable_jobs.register_durable_job_handler('race', 'public.handler_b(jsonb)')",
+            )
+            .map_err(|e| sqlstate(&e))
+    });
+    wait_until(Duration::from_secs(10), "the second registration to wait", || {
+        count(
+            &mut admin,
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = 'app_b' AND wait_event_type = 'Lock'",
+        ) == 1
+    });
+    first.commit().unwrap();
+    assert_eq!(second.join().unwrap(), Err("42501".to_string()));
+    let registered: (String, String) = admin
+        .query_one("SELECT handler, registered_by::text FROM durable_jobs.durable_job_handler WHERE job_kind = 'race'", &[])
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
+    assert_eq!(registered, ("public.handler_a(jsonb)".to_string(), "app_a".to_string()));
+}
+
+#[test]
+fn a_held_queue_lock_stalls_no_claim() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (queue text);
+             CREATE FUNCTION public.note_queue(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (payload->>'queue') $$;
+             SELECT durable_jobs.register_durable_job_handler('note', 'public.note_queue(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 1);",
+        )
+        .unwrap();
+    // Any role can take the advisory lock a limited queue's claimers take turns on.
+    let mut holder = cluster.connect();
+    holder
+        .batch_execute("SELECT pg_advisory_lock(hashtext('durable_jobs queue'), hashtext('limited'))")
+        .unwrap();
+    client
+        .batch_execute(
+            "SELECT durable_jobs.enqueue_durable_job('note', '{\"queue\": \"limited\"}', NULL, 'limited', priority => 10);
+             SELECT durable_jobs.enqueue_durable_job('note', '{\"queue\": \"open\"}', NULL, 'open');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(20), "the open queue's job to run", || {
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE queue = 'open'") == 1
+    });
+    // An external claim of the limited queue answers at once, with nothing.
+    client.batch_execute("SET statement_timeout = '2s'").unwrap();
+    let claimed = count(
+        &mut client,
+        "SELECT count(*) FROM durable_jobs.claim_next_durable_job('ext', ARRAY['limited'])",
+    );
+    assert_eq!(claimed, 0);
+    holder.batch_execute("SELECT pg_advisory_unlock_all()").unwrap();
+    wait_until(Duration::from_secs(20), "the limited queue's job to run", || {
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE queue = 'limited'") == 1
+    });
+}
+
+#[test]
+fn a_bad_job_fails_alone_and_the_worker_survives() {
+    // REPEATABLE READ as the configured default: the worker's fences must still behave.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 5\ndefault_transaction_isolation = 'repeatable read'\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer UNIQUE DEFERRABLE INITIALLY DEFERRED);
+             INSERT INTO public.effects VALUES (3);
+             CREATE FUNCTION public.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+             CREATE FUNCTION public.slow_record(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 PERFORM pg_sleep(2);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow_record(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
+             FROM generate_series(1, 5) g;
+             SELECT durable_jobs.resume_durable_job_queue('default');",
+        )
+        .unwrap();
+    let pids = cluster.worker_pids(&mut client);
+    wait_until(Duration::from_secs(30), "the batch to finish", || finished(&mut client) == 5);
+    let rows: Vec<(i32, String, Option<String>, i32)> = client
+        .query(
+            "SELECT (row_number() OVER (ORDER BY job_id))::int, job_state, last_failure_code, attempt_count
+             FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+        .collect();
+    for (n, state, code, attempts) in rows {
+        if n == 3 {
+            assert_eq!((state, code, attempts), ("failed".into(), Some("integrity_violation".into()), 1));
+        } else {
+            assert_eq!((state, code, attempts), ("succeeded".into(), None, 1), "job {n}");
+        }
+    }
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 5);
+
+    // A job cancelled while its handler runs: the fenced completion meets a row another
+    // transaction changed, which REPEATABLE READ would turn into an error.
+    let slow: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('slow', '{\"n\": 10}')", &[])
+        .unwrap()
+        .get(0);
+    wait_until(Duration::from_secs(20), "the slow handler to start", || {
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'") == 1
+    });
+    assert!(client
+        .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&slow])
+        .unwrap()
+        .get::<_, bool>(0));
+    wait_until(Duration::from_secs(20), "the worker to see its lease lost", || {
+        metric(&mut client, "stale") == 1
+    });
+    client.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 11}')", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "a later job to run", || {
+        count(&mut client, "SELECT count(*) FROM public.effects WHERE n = 11") == 1
+    });
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE n = 10"), 0);
+    assert_eq!(cluster.worker_pids(&mut client), pids, "the worker never restarted");
+    assert!(!cluster.server_log().contains("exited with exit code"), "{}", cluster.server_log());
+}
+
+#[test]
+fn every_job_of_a_batch_gets_a_whole_lease() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 5\ndurable_jobs.lease_duration = 2\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep(0.7);
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT durable_jobs.enqueue_durable_job('slow', jsonb_build_object('n', g))
+             FROM generate_series(1, 5) g;
+             SELECT durable_jobs.resume_durable_job_queue('default');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(60), "the batch to finish", || finished(&mut client) == 5);
+    let attempts: Vec<(String, i32)> = client
+        .query("SELECT job_state, attempt_count FROM durable_jobs.durable_job ORDER BY job_id", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(attempts, vec![("succeeded".to_string(), 1); 5]);
+    assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 5);
+}
+
+#[test]
+fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute("CREATE ROLE durable_jobs_worker LOGIN").unwrap();
+    drop(client);
+    cluster.pg_ctl(&["stop", "-m", "fast", "-w"]);
+    cluster
+        .append_conf("durable_jobs.worker_role = 'durable_jobs_worker'\ndurable_jobs.retention_period = 1");
+    cluster.pg_ctl(&["start", "-w", "-t", "30"]);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer, who name);
+             CREATE FUNCTION public.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer, current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
+             FROM generate_series(1, 20) g;",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the jobs to run and be pruned", || {
+        count(&mut client, "SELECT count(*) FROM public.effects") == 20
+            && count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job") == 0
+    });
+    let user: String = client
+        .query_one(
+            "SELECT usename::text FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(user, "durable_jobs_worker");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE who = 'postgres'"), 20);
+}
+
+#[test]
+fn cancelling_an_idle_worker_does_not_restart_it() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    let pids = cluster.worker_pids(&mut client);
+    client.execute("SELECT pg_cancel_backend($1)", &[&pids[0]]).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(cluster.worker_pids(&mut client), pids);
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (1) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('record', '{}');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(20), "the job to run", || {
+        count(&mut client, "SELECT count(*) FROM public.effects") == 1
+    });
+}
