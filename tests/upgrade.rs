@@ -12,6 +12,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 const OLDEST_SUPPORTED_VERSION: &str = "0.1.0";
+/// Every released version, oldest first; each must update to the current one and back.
+const RELEASED_VERSIONS: [&str; 2] = ["0.1.0", "0.2.0"];
 
 /// One line per catalog fact of the extension: its member objects, and for those in schema
 /// durable_jobs their definitions, owners and grants. Names only, never OIDs, so that two
@@ -266,6 +268,41 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
         2,
         "the rollback keeps the jobs"
     );
+}
+
+#[test]
+fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
+    let cluster = Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'");
+    cluster.connect().batch_execute("CREATE ROLE upgrade_producer").unwrap();
+    let mut fresh = create_database(&cluster, "fresh_current");
+    fresh.batch_execute(&format!("CREATE EXTENSION durable_jobs; {OPERATOR_GRANTS}")).unwrap();
+    let current_version = extension_version(&mut fresh);
+    let current = catalog_facts(&mut fresh);
+    for version in RELEASED_VERSIONS {
+        let database = format!("from_{}", version.replace('.', "_"));
+        let mut client = create_database(&cluster, &database);
+        client
+            .batch_execute(&format!(
+                "CREATE EXTENSION durable_jobs VERSION '{version}'; {OPERATOR_GRANTS}
+                 SELECT durable_jobs.enqueue_durable_job('external', jsonb_build_object('n', g), 'key-' || g)
+                 FROM generate_series(1, 3) g;
+                 SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);"
+            ))
+            .unwrap_or_else(|e| panic!("install {version}: {e}"));
+        let released = catalog_facts(&mut client);
+        let jobs_before = all_jobs(&mut client);
+
+        client.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
+        assert_eq!(extension_version(&mut client), current_version);
+        assert_same_catalog(&catalog_facts(&mut client), &current, &format!("{version} updated"));
+        assert_eq!(all_jobs(&mut client), jobs_before, "{version}: the update rewrites no job");
+
+        client
+            .batch_execute(&format!("ALTER EXTENSION durable_jobs UPDATE TO '{version}'"))
+            .expect("roll back");
+        assert_same_catalog(&catalog_facts(&mut client), &released, &format!("rolled back to {version}"));
+        assert_eq!(all_jobs(&mut client), jobs_before, "{version}: the rollback rewrites no job");
+    }
 }
 
 #[test]
