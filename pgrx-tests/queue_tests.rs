@@ -122,3 +122,12 @@ fn a_concurrency_limit_caps_running_jobs_per_queue() {
         assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_concurrency({arguments})"), sqlstate);
     }
 }
+
+#[pg_test]
+fn the_running_count_reads_the_clock_so_it_is_volatile() {
+    let volatility: String = one(
+        "SELECT provolatile::text FROM pg_proc
+         WHERE oid = 'durable_jobs.durable_job_queue_running(text)'::regprocedure",
+    );
+    assert_eq!(volatility, "v");
+}
