@@ -1,5 +1,5 @@
--- durable_jobs 0.2.0 to 0.3.0: claims never wait on a queue's lock; durable_job_queue_running
--- is VOLATILE. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- durable_jobs 0.2.0 to 0.3.0: idempotency keys are unique per enqueuing role; claims never
+-- wait on a queue's lock; durable_job_queue_running is VOLATILE. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.3.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -33,3 +33,9 @@ BEGIN
                      WHERE q.queue_name = queue), 2147483647);
 END
 $body$;
+
+-- Keys per queue and enqueuing role: every existing key stays unique under the new index.
+DROP INDEX durable_jobs.durable_job_idempotency_key_idx;
+CREATE UNIQUE INDEX durable_job_idempotency_key_idx
+    ON durable_jobs.durable_job (queue_name, enqueued_by, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;

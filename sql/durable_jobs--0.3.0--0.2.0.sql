@@ -1,5 +1,6 @@
 -- durable_jobs 0.3.0 back to 0.2.0, for a rollback (docs/runbook.md): the 0.2.0 definitions of
--- the queue functions. Run by ALTER EXTENSION durable_jobs UPDATE TO '0.2.0' while the 0.3.0
+-- the queue functions and idempotency keys unique per queue (this fails, changing nothing, while
+-- two roles hold one key in one queue). Run by ALTER EXTENSION durable_jobs UPDATE TO '0.2.0' while the 0.3.0
 -- library is installed; tests/upgrade.rs checks that the result equals a fresh 0.2.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.2.0'" to load this file. \quit
 
@@ -29,3 +30,8 @@ BEGIN
                      WHERE q.queue_name = queue), 2147483647);
 END
 $body$;
+
+DROP INDEX durable_jobs.durable_job_idempotency_key_idx;
+CREATE UNIQUE INDEX durable_job_idempotency_key_idx
+    ON durable_jobs.durable_job (queue_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;

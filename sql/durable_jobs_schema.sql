@@ -65,9 +65,9 @@ CREATE TABLE durable_jobs.durable_job (
 COMMENT ON TABLE durable_jobs.durable_job IS
     'Jobs of the durable_jobs queue. Write through the durable_jobs functions only.';
 
--- One job per idempotency key and queue, for as long as the job row exists.
+-- One job per idempotency key, queue and enqueuing role, for as long as the job row exists.
 CREATE UNIQUE INDEX durable_job_idempotency_key_idx
-    ON durable_jobs.durable_job (queue_name, idempotency_key)
+    ON durable_jobs.durable_job (queue_name, enqueued_by, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 
 -- Claim order over the jobs a claim can take.

@@ -10,6 +10,9 @@ use pgrx::spi::SpiClient;
 
 // The fingerprint is kept after the payload is cleared, so a finished job still recognises a
 // repeated enqueue. jsonb's text form is canonical (key order, whitespace), so equal values match.
+// Keys are unique per queue and enqueuing role, so one role learns nothing of another's jobs.
+// No conflict target: the same statement works against the 0.2.0 index (per queue), which a
+// database keeps until ALTER EXTENSION durable_jobs UPDATE.
 const INSERT_JOB: &str = "
     INSERT INTO durable_jobs.durable_job
         (queue_name, job_kind, payload, idempotency_key, payload_sha256,
@@ -18,15 +21,18 @@ const INSERT_JOB: &str = "
             CASE WHEN $4 IS NULL THEN NULL
                  ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
             $5, $6, $7, $8::pg_catalog.name)
-    ON CONFLICT (queue_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING job_id";
 
+// The caller's own job first; another role's only under the 0.2.0 index.
 const FIND_BY_KEY: &str = "
     SELECT job_id,
-           job_kind = $3
+           enqueued_by = $5::pg_catalog.name AND job_kind = $3
            AND payload_sha256 = pg_catalog.sha256(pg_catalog.convert_to($4::pg_catalog.text, 'UTF8'))
     FROM durable_jobs.durable_job
-    WHERE queue_name = $1 AND idempotency_key = $2";
+    WHERE queue_name = $1 AND idempotency_key = $2
+    ORDER BY enqueued_by = $5::pg_catalog.name DESC
+    LIMIT 1";
 
 // Identity values follow insertion order, and rows are inserted in array order, so sorting by
 // job_id returns the ids in the order of the payloads.
@@ -99,8 +105,13 @@ impl JobTemplate {
         }
         // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
         let key = idempotency_key.expect("a conflict implies a key");
-        let args =
-            [self.queue_name.as_str().into(), key.into(), self.job_kind.as_str().into(), payload.into()];
+        let args = [
+            self.queue_name.as_str().into(),
+            key.into(),
+            self.job_kind.as_str().into(),
+            payload.into(),
+            self.enqueued_by.as_str().into(),
+        ];
         let existing = plans::execute(client, FIND_BY_KEY, &args);
         let existing = match existing.is_empty() {
             true => (None, None),

@@ -557,3 +557,83 @@ fn cancelling_an_idle_worker_does_not_restart_it() {
         count(&mut client, "SELECT count(*) FROM public.effects") == 1
     });
 }
+
+#[test]
+fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
+    let cluster = Cluster::start("");
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    let enqueue_with_key = |client: &mut Client, payload: &str, key: &str| -> Result<i64, String> {
+        client
+            .query_one("SELECT durable_jobs.enqueue_durable_job('k', $1::text::jsonb, $2)", &[&payload, &key])
+            .map(|row| row.get(0))
+            .map_err(|e| sqlstate(&e))
+    };
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    let job_a = enqueue_with_key(&mut app_a, "{\"secret\": 1}", "key-1").unwrap();
+    assert_eq!(enqueue_with_key(&mut app_a, "{\"secret\": 1}", "key-1"), Ok(job_a), "a role's own retry");
+    assert_eq!(enqueue_with_key(&mut app_a, "{\"secret\": 2}", "key-1"), Err("23505".into()));
+    // app_b guessing app_a's key and payload learns neither app_a's job id nor a conflict.
+    let job_b = enqueue_with_key(&mut app_b, "{\"secret\": 1}", "key-1").unwrap();
+    assert_ne!(job_b, job_a);
+    let guess = enqueue_with_key(&mut app_b, "{\"secret\": 3}", "key-2");
+    enqueue_with_key(&mut app_a, "{\"secret\": 2}", "key-2").unwrap();
+    assert!(guess.is_ok(), "{guess:?}");
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job"), 4);
+}
+
+#[test]
+fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one() {
+    // The second job's row is locked by another session while the first job runs: renewing its
+    // lease (due after 1.5 s of a 10 s lease), a statement of the batch itself, hits lock_timeout.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.lease_duration = 10\nlock_timeout = '200ms'\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 PERFORM pg_sleep(1.5);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT durable_jobs.enqueue_durable_job('slow', jsonb_build_object('n', g, 'marker', 'payload-marker-5e1d'))
+             FROM generate_series(1, 2) g;
+             SELECT durable_jobs.resume_durable_job_queue('default');",
+        )
+        .unwrap();
+    let pids = cluster.worker_pids(&mut client);
+    wait_until(Duration::from_secs(20), "the first handler to start", || {
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'") == 1
+    });
+    let mut holder = cluster.connect();
+    let mut lock = holder.transaction().unwrap();
+    lock.batch_execute(
+        "SELECT 1 FROM durable_jobs.durable_job WHERE payload->>'n' = '2' AND job_state = 'running' FOR UPDATE",
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(20), "the batch to fail and its first job to run alone", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 1
+    });
+    lock.rollback().unwrap();
+    wait_until(Duration::from_secs(30), "the second job to run once its lease expired", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 2
+    });
+    let (state, code, attempts) = job_outcome(&mut client, "job_id = (SELECT min(job_id) FROM durable_jobs.durable_job)");
+    assert_eq!((state, code, attempts), ("succeeded".into(), None, 1), "the first job kept its first attempt");
+    let effects: Vec<(i32, i64)> = client
+        .query("SELECT n, count(*) FROM public.effects GROUP BY n ORDER BY n", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(effects, [(1, 1), (2, 1)], "one effect per job");
+    assert_eq!(cluster.worker_pids(&mut client), pids, "the worker never restarted");
+    let log = cluster.server_log();
+    assert!(log.contains("a batch of 2 jobs failed as a whole with SQLSTATE 55P03"), "{log}");
+    assert!(!log.contains("payload-marker-5e1d"), "a payload reached the log");
+}
