@@ -12,26 +12,27 @@ use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
-use crate::privilege::{as_extension_owner, with_pinned_search_path};
+use crate::privilege::{as_extension_owner, with_worker_settings};
+use crate::sql_types::JsonbDatum;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// For each claimed job whose lease is still exactly ours: its payload, its handler call, the
-/// enqueuing role, its lease expiry (Unix microseconds), and whether it may run: the enqueuer
-/// may execute the handler, and the handler's owner is a superuser or, for an enqueuer that is
-/// not one, a role whose privileges the enqueuer has (itself or a role it is a member of).
+/// For each claimed job whose lease is still exactly ours: its payload, its handler routine and
+/// whether that is a procedure, the enqueuing role, its lease expiry (Unix microseconds), and
+/// whether it may run: the enqueuer may execute the handler, the handler returns no set, and its
+/// owner is a superuser or, for an enqueuer that is not one, a role whose privileges the
+/// enqueuer has (itself or a role it is a member of).
 const LOAD_JOBS: &str = "
     SELECT j.job_id,
-           j.payload::pg_catalog.text,
-           CASE p.prokind WHEN 'p' THEN 'CALL ' ELSE 'SELECT ' END
-               || pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname)
-               || '($1::pg_catalog.jsonb)',
+           j.payload,
+           p.oid,
+           p.prokind = 'p',
            r.oid,
            (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8,
-           COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE')
+           COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
                     AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
                     false)
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
@@ -39,7 +40,6 @@ const LOAD_JOBS: &str = "
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
     LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
-    LEFT JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
     LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
     WHERE j.job_state = 'running' AND j.lease_owner = $3";
@@ -48,10 +48,19 @@ const LOAD_JOBS: &str = "
 /// temporary object can capture a handler's unqualified names.
 const HANDLER_SEARCH_PATH: &std::ffi::CStr = c"\"$user\", public, pg_temp";
 
+/// A handler that may run: the routine that was checked (called by its oid, so that no name
+/// resolved later can stand in for it), whether it is a procedure, and the role to run it as.
+#[derive(Clone, Copy)]
+struct Handler {
+    routine: pg_sys::Oid,
+    is_procedure: bool,
+    role: pg_sys::Oid,
+}
+
 struct LoadedJob {
-    payload: String,
-    /// The handler call and the enqueuing role, when the job may run.
-    runnable: Option<(String, pg_sys::Oid)>,
+    payload: JsonbDatum,
+    /// None when the job may not run.
+    handler: Option<Handler>,
     lease_expires_unix_us: i64,
 }
 
@@ -63,13 +72,20 @@ fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
         Spi::connect_mut(|client| {
             plans::execute(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
-                    let handler_call: Option<String> = row.get(3).unwrap();
-                    let role: Option<pg_sys::Oid> = row.get(4).unwrap();
-                    let may_run: bool = row.get(6).unwrap().unwrap();
+                    let routine: Option<pg_sys::Oid> = row.get(3).unwrap();
+                    let is_procedure: Option<bool> = row.get(4).unwrap();
+                    let role: Option<pg_sys::Oid> = row.get(5).unwrap();
+                    let may_run: bool = row.get(7).unwrap().unwrap();
+                    let handler = match (routine, is_procedure, role) {
+                        (Some(routine), Some(is_procedure), Some(role)) if may_run => {
+                            Some(Handler { routine, is_procedure, role })
+                        }
+                        _ => None,
+                    };
                     let job = LoadedJob {
                         payload: row.get(2).unwrap().unwrap(),
-                        runnable: handler_call.zip(role).filter(|_| may_run),
-                        lease_expires_unix_us: row.get(5).unwrap().unwrap(),
+                        handler,
+                        lease_expires_unix_us: row.get(6).unwrap().unwrap(),
                     };
                     (row.get::<i64>(1).unwrap().unwrap(), job)
                 })
@@ -96,7 +112,7 @@ pub fn run_jobs(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Ta
     let mut tally = Tally::default();
     let margin_ms = lease_margin_ms(lease_seconds);
     let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
-    let mut loaded = with_pinned_search_path(|| load_jobs(jobs, worker_id));
+    let mut loaded = with_worker_settings(|| load_jobs(jobs, worker_id));
     for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
         let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
             tally.count(Counter::Stale);
@@ -105,8 +121,7 @@ pub fn run_jobs(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Ta
         if expiry - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
             let remaining: Vec<(i64, Uuid)> =
                 jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
-            let renewed =
-                with_pinned_search_path(|| lease::renew_leases(&remaining, worker_id, lease_seconds));
+            let renewed = with_worker_settings(|| lease::renew_leases(&remaining, worker_id, lease_seconds));
             let renewed: HashMap<i64, i64> = renewed.into_iter().collect();
             // A lease that could not be renewed was lost: that job is not ours to run.
             loaded.retain(|id, job| match renewed.get(id) {
@@ -134,19 +149,15 @@ fn run_job(
     timeout_ms: i64,
     tally: &mut Tally,
 ) {
-    let Some((handler_call, role)) = job.runnable else {
+    let Some(handler) = job.handler else {
         // No handler, an enqueuer that no longer exists, or a handler it may not run.
         record_failure(job_id, lease_token, worker_id, FailureCode::TargetRejected, tally);
         return;
     };
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
-        as_enqueuer(role, timeout_ms.min(i64::from(i32::MAX)) as i32, || {
-            Spi::connect_mut(|client| {
-                plans::execute(client, &handler_call, &[job.payload.as_str().into()]);
-            });
-        });
-        with_pinned_search_path(|| lease::complete_job(job_id, worker_id, lease_token)) == "succeeded"
+        as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
+        with_worker_settings(|| lease::complete_job(job_id, worker_id, lease_token)) == "succeeded"
     });
     match outcome {
         Ok(true) => tally.count(Counter::Succeeded),
@@ -157,12 +168,49 @@ fn run_job(
     }
 }
 
+/// Calls the handler routine by its oid with the payload, as SPI would run `SELECT f($1)` or
+/// `CALL p($1)`: after a command counter increment, with a fresh snapshot. The current role must
+/// still be allowed to execute it (fmgr itself does not check).
+fn call_handler(handler: Handler, payload: JsonbDatum) {
+    unsafe {
+        if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
+            != pg_sys::AclResult::ACLCHECK_OK
+        {
+            ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                "permission denied to run the handler of this job"
+            );
+        }
+        let flinfo = pg_sys::palloc0(std::mem::size_of::<pg_sys::FmgrInfo>()) as *mut pg_sys::FmgrInfo;
+        pg_sys::fmgr_info(handler.routine, flinfo);
+        let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>()
+            + std::mem::size_of::<pg_sys::NullableDatum>();
+        let fcinfo = pg_sys::palloc0(size) as *mut pg_sys::FunctionCallInfoBaseData;
+        (*fcinfo).flinfo = flinfo;
+        (*fcinfo).nargs = 1;
+        (*fcinfo).fncollation = pg_sys::Oid::INVALID;
+        if handler.is_procedure {
+            let context = PgBox::<pg_sys::CallContext>::alloc_node(pg_sys::NodeTag::T_CallContext);
+            (*context.as_ptr()).atomic = true;
+            (*fcinfo).context = context.into_pg() as *mut pg_sys::Node;
+        }
+        let args = (*fcinfo).args.as_mut_slice(1);
+        args[0] = pg_sys::NullableDatum { value: payload.into_datum().expect("a payload"), isnull: false };
+        pg_sys::CommandCounterIncrement();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        let function = (*flinfo).fn_addr.expect("a function address");
+        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| function(fcinfo));
+        pg_sys::PopActiveSnapshot();
+    }
+}
+
 /// The fenced failure of one job, in a subtransaction of its own: an error there (a deadlock
 /// with a concurrent cancel, a lock timeout) is logged and leaves the job to its lease, which
 /// another claim takes over once it expires.
 pub fn record_failure(job_id: i64, lease_token: Uuid, worker_id: &str, code: FailureCode, tally: &mut Tally) {
     let outcome = in_subtransaction(|| {
-        let outcome = with_pinned_search_path(|| lease::fail_job(job_id, worker_id, lease_token, code));
+        let outcome = with_worker_settings(|| lease::fail_job(job_id, worker_id, lease_token, code));
         tally.count(Counter::for_outcome(outcome));
         true
     });
@@ -188,34 +236,81 @@ fn fire_constraints_immediately() {
 
 /// Clears what a handler can leave in the session beyond its subtransaction, before another
 /// job, maybe another role's, runs: open cursors (portals), session advisory locks, temporary
-/// objects (only a function can be made in pg_temp under the restriction) and open large
-/// objects. PostgreSQL itself refuses PREPARE, LISTEN and WITH HOLD cursors to the handler.
+/// objects (only a function can be made in pg_temp under the restriction), open large objects,
+/// and the seed of `random()`. PostgreSQL itself refuses PREPARE, LISTEN and WITH HOLD cursors
+/// to the handler. Under the worker's lock timeout: dropping a temporary object can wait.
 fn clear_session_state() {
     const USER_LOCKMETHOD: pg_sys::LOCKMETHODID = 2;
-    unsafe {
+    with_worker_settings(|| unsafe {
         pg_sys::PortalHashTableDeleteAll();
         pg_sys::LockReleaseSession(USER_LOCKMETHOD);
         pg_sys::ResetTempTableNamespace();
-        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| AtEOXact_LargeObject(true));
+        let mut seed = [0u8; 8];
+        pg_sys::pg_strong_random(seed.as_mut_ptr().cast(), seed.len());
+        let seed = (u64::from_le_bytes(seed) as f64 / u64::MAX as f64) * 2.0 - 1.0;
+        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
+            AtEOXact_LargeObject(true);
+            pg_sys::DirectFunctionCall1Coll(Some(setseed), pg_sys::Oid::INVALID, seed.into_datum().unwrap());
+        });
+    });
+}
+
+// Not in pgrx's bindings, or only as Rust wrappers: libpq/be-fsstubs.h, utils/fmgrprotos.h and
+// utils/timeout.h. STATEMENT_TIMEOUT is the fourth TimeoutId, USER_TIMEOUT the first one free
+// for extensions, on PostgreSQL 15 through 18.
+const STATEMENT_TIMEOUT: std::ffi::c_int = 3;
+const USER_TIMEOUT: std::ffi::c_int = 12;
+unsafe extern "C-unwind" {
+    /// Closes every open large object descriptor, as the end of a transaction would.
+    fn AtEOXact_LargeObject(is_commit: bool);
+    fn setseed(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+    fn enable_timeout_after(id: std::ffi::c_int, delay_ms: std::ffi::c_int);
+    fn disable_timeout(id: std::ffi::c_int, keep_indicator: bool);
+    fn RegisterTimeout(
+        id: std::ffi::c_int,
+        handler: Option<unsafe extern "C-unwind" fn()>,
+    ) -> std::ffi::c_int;
+}
+
+/// The timer that ends the worker when a handler outlives its lease: a handler can catch the
+/// statement timeout's cancel (`EXCEPTION WHEN query_canceled`), not this. Its lease is over by
+/// then, so its writes can never commit; the postmaster restarts the worker.
+static LEASE_WATCHDOG: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+unsafe extern "C-unwind" fn handler_outlived_its_lease() {
+    // What PostgreSQL's SIGTERM handler does: the next interrupt check exits the process.
+    unsafe {
+        pg_sys::InterruptPending = 1;
+        pg_sys::ProcDiePending = 1;
+        pg_sys::SetLatch(pg_sys::MyLatch);
     }
 }
 
-// libpq/be-fsstubs.h; not in pgrx's bindings. Closes every open large object descriptor, as
-// the end of a transaction would.
-unsafe extern "C-unwind" {
-    fn AtEOXact_LargeObject(is_commit: bool);
+fn lease_watchdog() -> std::ffi::c_int {
+    use std::sync::atomic::Ordering;
+    let mut id = LEASE_WATCHDOG.load(Ordering::Relaxed);
+    if id < 0 {
+        id = unsafe {
+            pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
+                RegisterTimeout(USER_TIMEOUT, Some(handler_outlived_its_lease))
+            })
+        };
+        LEASE_WATCHDOG.store(id, Ordering::Relaxed);
+    }
+    id
 }
 
-// utils/timeout.h; not in pgrx's bindings. STATEMENT_TIMEOUT is the fourth TimeoutId on
-// PostgreSQL 15 through 18.
-const STATEMENT_TIMEOUT: std::ffi::c_int = 3;
-unsafe extern "C-unwind" {
-    fn enable_timeout_after(id: std::ffi::c_int, delay_ms: std::ffi::c_int);
-    fn disable_timeout(id: std::ffi::c_int, keep_indicator: bool);
-}
-
+/// Disarms the handler's statement timeout and the lease watchdog; called on every path.
 pub fn disarm_statement_timeout() {
-    unsafe { pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| disable_timeout(STATEMENT_TIMEOUT, false)) };
+    unsafe {
+        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
+            disable_timeout(STATEMENT_TIMEOUT, false);
+            let watchdog = LEASE_WATCHDOG.load(std::sync::atomic::Ordering::Relaxed);
+            if watchdog >= 0 {
+                disable_timeout(watchdog, false);
+            }
+        })
+    };
 }
 
 /// Runs `f` as `role` under a statement timeout, inside a security-restricted operation, as
@@ -223,7 +318,10 @@ pub fn disarm_statement_timeout() {
 /// `SET SESSION AUTHORIZATION`, create temporary objects, declare `WITH HOLD` cursors, `LISTEN`,
 /// or defer a trigger to commit, so nothing it starts runs after it as anyone else. The GUC nest
 /// level undoes any setting the handler changed; search_path is pinned.
-fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i32, f: impl FnOnce()) {
+fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
+    // The lease ends a margin after the statement timeout (at most 2 s); a second more, then stop.
+    let watchdog_ms = (timeout_ms + 3000).min(i64::from(i32::MAX)) as i32;
+    let timeout_ms = timeout_ms.min(i64::from(i32::MAX)) as i32;
     let mut saved_user = pg_sys::Oid::INVALID;
     let mut saved_context = 0;
     unsafe {
@@ -241,8 +339,10 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i32, f: impl FnOnce()) {
         );
         let restricted = pg_sys::SECURITY_LOCAL_USERID_CHANGE | pg_sys::SECURITY_RESTRICTED_OPERATION;
         pg_sys::SetUserIdAndSecContext(role, saved_context | restricted as i32);
+        let watchdog = lease_watchdog();
         pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-            enable_timeout_after(STATEMENT_TIMEOUT, timeout_ms)
+            enable_timeout_after(STATEMENT_TIMEOUT, timeout_ms);
+            enable_timeout_after(watchdog, watchdog_ms);
         });
         f();
         disarm_statement_timeout();

@@ -72,22 +72,32 @@ pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
+/// How long the background worker's own statements wait for a lock before they give up, so that
+/// no session (one that cancels a running job and keeps its transaction open, say) can stall the
+/// worker; the error rolls back what the worker was doing and is handled like any other.
+const WORKER_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
+
 /// Runs `f` with `search_path = pg_catalog, pg_temp`, as a function's `SET search_path` clause
-/// would. The background worker calls our statements directly, not through their SQL
-/// functions, and its session search_path is the handlers' (usually `"$user", public`).
-pub fn with_pinned_search_path<R>(f: impl FnOnce() -> R) -> R {
+/// would, and the worker's lock timeout. The background worker calls our statements directly,
+/// not through their SQL functions, and its session settings are the handlers' (usually
+/// `"$user", public` and no lock timeout).
+pub fn with_worker_settings<R>(f: impl FnOnce() -> R) -> R {
     unsafe {
         let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            c"pg_catalog, pg_temp".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
+        for (name, value) in
+            [(c"search_path", c"pg_catalog, pg_temp"), (c"lock_timeout", WORKER_LOCK_TIMEOUT)]
+        {
+            pg_sys::set_config_option(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
+        }
         let result = f();
         pg_sys::AtEOXact_GUC(true, level);
         result

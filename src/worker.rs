@@ -9,7 +9,7 @@ use crate::execution;
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
-use crate::privilege::{as_extension_owner, with_pinned_search_path};
+use crate::privilege::{as_extension_owner, with_worker_settings};
 use crate::retention;
 use crate::settings;
 use crate::wakeup;
@@ -132,7 +132,7 @@ fn poll_once(worker_id: &str) -> bool {
             return None;
         }
         let batch = settings::CLAIM_BATCH_SIZE.get();
-        let jobs = with_pinned_search_path(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
+        let jobs = with_worker_settings(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
         Some(jobs.into_iter().map(|job| (job.job_id, job.lease_token)).collect::<Vec<_>>())
     });
     match claimed {
@@ -214,7 +214,7 @@ fn prune_finished_jobs() {
             }
             let older_than = Interval::from_seconds(f64::from(retention));
             as_extension_owner(|| {
-                with_pinned_search_path(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
+                with_worker_settings(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
             })
         });
         if deleted < PRUNE_BATCH {

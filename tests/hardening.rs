@@ -586,9 +586,10 @@ fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
 #[test]
 fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one() {
     // The second job's row is locked by another session while the first job runs: renewing its
-    // lease (due after 1.5 s of a 10 s lease), a statement of the batch itself, hits lock_timeout.
+    // lease (due after 1.5 s of a 10 s lease), a statement of the batch itself, gives up after
+    // the worker's own lock timeout instead of stalling the worker.
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.lease_duration = 10\nlock_timeout = '200ms'\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.lease_duration = 10\n"
     ));
     let mut client = cluster.connect();
     client
@@ -636,4 +637,85 @@ fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one(
     let log = cluster.server_log();
     assert!(log.contains("a batch of 2 jobs failed as a whole with SQLSTATE 55P03"), "{log}");
     assert!(!log.contains("payload-marker-5e1d"), "a payload reached the log");
+}
+
+#[test]
+fn the_routine_that_runs_is_the_one_that_was_checked() {
+    // app_a owns the schema of a superuser's handler; its own job, run first in the same batch,
+    // swaps in a routine of its own under the same name.
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "GRANT CREATE ON DATABASE postgres TO app_a;
+             CREATE SCHEMA app AUTHORIZATION app_a;
+             CREATE TABLE public.ran (what text, who name);
+             GRANT INSERT ON public.ran TO PUBLIC;
+             CREATE FUNCTION app.nightly(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.ran VALUES ('nightly', current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('nightly', 'app.nightly(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "CREATE FUNCTION public.swap(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 ALTER SCHEMA app RENAME TO app_orig;
+                 CREATE SCHEMA app;
+                 CREATE FUNCTION app.nightly(payload jsonb) RETURNS void LANGUAGE sql
+                     AS $f$ INSERT INTO public.ran VALUES ('impostor', current_user) $f$;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('swap', 'public.swap(jsonb)');",
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    app_a.execute("SELECT durable_jobs.enqueue_durable_job('swap', '{}', priority => 10)", &[]).unwrap();
+    enqueue(&mut admin, "nightly");
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "both jobs to finish", || finished(&mut admin) == 2);
+    assert_eq!(outcome_of(&mut admin, "swap"), ("succeeded".into(), None));
+    let ran: Vec<(String, String)> = admin
+        .query("SELECT what, who::text FROM public.ran", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(ran, [("nightly".to_string(), "postgres".to_string())], "the checked routine ran, no other");
+}
+
+#[test]
+fn a_handler_that_swallows_its_timeout_cannot_hold_the_worker() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 2\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.hog(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (0);
+                 LOOP
+                     BEGIN
+                         PERFORM pg_sleep(3600);
+                     EXCEPTION WHEN query_canceled THEN NULL;
+                     END;
+                 END LOOP;
+             END $$;
+             CREATE FUNCTION public.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (1) $$;
+             SELECT durable_jobs.register_durable_job_handler('hog', 'public.hog(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('hog', '{}', max_attempts => 1, priority => 10);",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(20), "the hog to start", || {
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'") == 1
+    });
+    client.execute("SELECT durable_jobs.enqueue_durable_job('record', '{}')", &[]).unwrap();
+    wait_until(Duration::from_secs(60), "the hog's lease to end it and the next job to run", || {
+        outcome_of(&mut client, "hog") == ("failed".into(), Some("lease_expired".into()))
+            && outcome_of(&mut client, "record") == ("succeeded".into(), None)
+    });
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1, "the hog's write never committed");
 }
