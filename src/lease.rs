@@ -97,7 +97,7 @@ pub(crate) const CLAIM: &str = concat!(
         updated_at = pg_catalog.clock_timestamp()
     FROM candidate WHERE j.job_id = candidate.job_id
     RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
-              j.attempt_count, j.max_attempts"
+              j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text"
 );
 
 const COMPLETE: &str = concat!(
@@ -235,6 +235,7 @@ pub struct ClaimedJob {
     pub payload: JsonbDatum,
     pub attempt_count: i32,
     pub max_attempts: i32,
+    pub enqueued_by: String,
 }
 
 /// The claim shared by the SQL API and the background worker, which passes `handlers_only` to
@@ -272,6 +273,7 @@ pub fn claim_jobs(
                         payload: row.get(5).unwrap().unwrap(),
                         attempt_count: row.get(6).unwrap().unwrap(),
                         max_attempts: row.get(7).unwrap().unwrap(),
+                        enqueued_by: row.get(8).unwrap().unwrap(),
                     })
                     .collect()
             };

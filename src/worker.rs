@@ -133,7 +133,7 @@ fn poll_once(worker_id: &str) -> bool {
         }
         let batch = settings::CLAIM_BATCH_SIZE.get();
         let jobs = with_worker_settings(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
-        Some(jobs.into_iter().map(|job| (job.job_id, job.lease_token)).collect::<Vec<_>>())
+        Some(jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect::<Vec<_>>())
     });
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
@@ -146,10 +146,26 @@ fn poll_once(worker_id: &str) -> bool {
             for _ in &jobs {
                 metrics::count(Counter::Claimed);
             }
-            run_batch(&jobs, worker_id, lease_seconds);
+            for batch in batches_per_enqueuer(jobs) {
+                run_batch(&batch, worker_id, lease_seconds);
+            }
             true
         }
     }
+}
+
+/// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
+/// transaction of its own, so that roles never share one: no transaction-level lock, statistic
+/// or rerun of one role's job touches another role's.
+fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<Vec<(i64, Uuid)>> {
+    let mut batches: Vec<(String, Vec<(i64, Uuid)>)> = Vec::new();
+    for (enqueuer, job) in jobs {
+        match batches.iter_mut().find(|(role, _)| *role == enqueuer) {
+            Some((_, batch)) => batch.push(job),
+            None => batches.push((enqueuer, vec![job])),
+        }
+    }
+    batches.into_iter().map(|(_, batch)| batch).collect()
 }
 
 /// Runs a claimed batch in one transaction. If that transaction fails as a whole (an error

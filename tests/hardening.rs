@@ -28,6 +28,12 @@ fn outcome_of(client: &mut Client, kind: &str) -> (String, Option<String>) {
     (state, code)
 }
 
+/// (job_state, last_failure_code) of the one job of `kind` that `role` enqueued.
+fn outcome_by(client: &mut Client, kind: &str, role: &str) -> (String, Option<String>) {
+    let (state, code, _) = job_outcome(client, &format!("job_kind = '{kind}' AND enqueued_by = '{role}'"));
+    (state, code)
+}
+
 fn enqueue(client: &mut Client, kind: &str) -> i64 {
     client
         .query_one("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind])
@@ -124,7 +130,8 @@ fn nothing_a_handler_defers_to_commit_runs_as_the_worker() {
 
 #[test]
 fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
-    // One worker, one batch: both roles' jobs run in the same session and transaction.
+    // One worker, one claim of all three jobs: both roles' jobs run in the same session (each
+    // role's in a transaction of its own).
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     let mut admin = cluster.connect();
     admin.batch_execute(APP_ROLES).unwrap();
@@ -147,6 +154,7 @@ fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
                  leaked refcursor := 'leaked_cursor';
              BEGIN
                  PERFORM pg_advisory_lock(7331);
+                 PERFORM pg_advisory_xact_lock(7332);
                  BEGIN
                      EXECUTE 'PREPARE leaked_statement AS SELECT 1';
                  EXCEPTION WHEN insufficient_privilege THEN
@@ -172,6 +180,8 @@ fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
                  INSERT INTO audit_log VALUES (current_user);
                  INSERT INTO public.seen
                  VALUES ('cursors', (SELECT count(*) FROM pg_cursors)::text),
+                        ('advisory locks', (SELECT count(*) FROM pg_locks
+                                            WHERE locktype = 'advisory' AND pid = pg_backend_pid())::text),
                         ('prepared', (SELECT count(*) FROM pg_prepared_statements)::text),
                         ('temporary functions', (SELECT count(*) FROM pg_proc WHERE pronamespace = pg_my_temp_schema())::text),
                         ('work_mem', current_setting('work_mem')),
@@ -198,6 +208,7 @@ fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
         .map(|row| (row.get(0), row.get(1)))
         .collect();
     let expected = [
+        ("advisory locks", "0"),
         ("cursors", "0"),
         ("prepare", "refused"),
         ("prepared", "0"),
@@ -294,18 +305,14 @@ fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_o
     wait_until(Duration::from_secs(30), "the runnable jobs to finish", || finished(&mut admin) == 5);
     std::thread::sleep(Duration::from_millis(500));
 
-    let outcome = |admin: &mut Client, kind: &str, role: &str| {
-        let (state, code, _) = job_outcome(admin, &format!("job_kind = '{kind}' AND enqueued_by = '{role}'"));
-        (state, code)
-    };
-    assert_eq!(outcome(&mut admin, "a_kind", "app_a"), ("succeeded".into(), None));
+    assert_eq!(outcome_by(&mut admin, "a_kind", "app_a"), ("succeeded".into(), None));
     // app_a's registration does not serve app_b: its job waits for an external worker.
-    assert_eq!(outcome(&mut admin, "a_kind", "app_b"), ("available".into(), None));
-    assert_eq!(outcome(&mut admin, "admin_routine", "app_b"), ("succeeded".into(), None));
+    assert_eq!(outcome_by(&mut admin, "a_kind", "app_b"), ("available".into(), None));
+    assert_eq!(outcome_by(&mut admin, "admin_routine", "app_b"), ("succeeded".into(), None));
     let rejected = ("failed".to_string(), Some("target_rejected".to_string()));
-    assert_eq!(outcome(&mut admin, "a_routine_for_all", "app_b"), rejected);
-    assert_eq!(outcome(&mut admin, "a_routine_for_all", "postgres"), rejected);
-    assert_eq!(outcome(&mut admin, "a_routine_for_all", "app_a"), ("succeeded".into(), None));
+    assert_eq!(outcome_by(&mut admin, "a_routine_for_all", "app_b"), rejected);
+    assert_eq!(outcome_by(&mut admin, "a_routine_for_all", "postgres"), rejected);
+    assert_eq!(outcome_by(&mut admin, "a_routine_for_all", "app_a"), ("succeeded".into(), None));
     let effects: Vec<(String, String)> = admin
         .query("SELECT kind, who::text FROM public.effects ORDER BY kind, who", &[])
         .unwrap()
@@ -641,8 +648,11 @@ fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one(
 
 #[test]
 fn the_routine_that_runs_is_the_one_that_was_checked() {
-    // app_a owns the schema of a superuser's handler; its own job, run first in the same batch,
-    // swaps in a routine of its own under the same name.
+    // app_a owns the schema of a superuser's handler; its own job, run first in the same batch
+    // transaction, swaps in a routine of its own under the same name before the next job (also
+    // app_a's) calls it. Done by another session between the check and the call, this swap ran
+    // app_a's code as a superuser enqueuer in 0.3.0's first draft; a superuser's own jobs now
+    // run in another transaction, where the swapped routine fails the owner check.
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     let mut admin = cluster.connect();
     admin.batch_execute(APP_ROLES).unwrap();
@@ -672,17 +682,24 @@ fn the_routine_that_runs_is_the_one_that_was_checked() {
         .unwrap();
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
     app_a.execute("SELECT durable_jobs.enqueue_durable_job('swap', '{}', priority => 10)", &[]).unwrap();
+    enqueue(&mut app_a, "nightly");
     enqueue(&mut admin, "nightly");
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    wait_until(Duration::from_secs(30), "both jobs to finish", || finished(&mut admin) == 2);
-    assert_eq!(outcome_of(&mut admin, "swap"), ("succeeded".into(), None));
+    wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
+    assert_eq!(outcome_by(&mut admin, "swap", "app_a"), ("succeeded".into(), None));
+    assert_eq!(outcome_by(&mut admin, "nightly", "app_a"), ("succeeded".into(), None));
+    assert_eq!(
+        outcome_by(&mut admin, "nightly", "postgres"),
+        ("failed".into(), Some("target_rejected".into())),
+        "the superuser's job meets app_a's routine, which it does not trust"
+    );
     let ran: Vec<(String, String)> = admin
         .query("SELECT what, who::text FROM public.ran", &[])
         .unwrap()
         .iter()
         .map(|row| (row.get(0), row.get(1)))
         .collect();
-    assert_eq!(ran, [("nightly".to_string(), "postgres".to_string())], "the checked routine ran, no other");
+    assert_eq!(ran, [("nightly".to_string(), "app_a".to_string())], "the checked routine ran, no other");
 }
 
 #[test]
