@@ -7,7 +7,6 @@
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::cell::Cell;
 
 pub struct Caller {
     pub role_oid: pg_sys::Oid,
@@ -27,34 +26,37 @@ pub fn caller() -> Caller {
     }
 }
 
-thread_local! {
-    /// (extension oid, its owner), so the owner is looked up once per installation.
-    static OWNER: Cell<Option<(pg_sys::Oid, pg_sys::Oid)>> = const { Cell::new(None) };
-}
-
+/// The extension's owner, read from its pg_extension row on every call, as `get_extension_oid`
+/// reads that row anyway: no cache to go stale after `REASSIGN OWNED`.
 fn extension_owner() -> pg_sys::Oid {
-    let extension = unsafe { pg_sys::get_extension_oid(c"durable_jobs".as_ptr(), true) };
-    if extension == pg_sys::Oid::INVALID {
+    let owner = unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let catalog = pg_sys::table_open(pg_sys::ExtensionRelationId, lock);
+        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+        pg_sys::ScanKeyInit(
+            &mut key,
+            pg_sys::Anum_pg_extension_extname as pg_sys::AttrNumber,
+            pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(pg_sys::F_NAMEEQ),
+            pg_sys::Datum::from(c"durable_jobs".as_ptr()),
+        );
+        let index = pg_sys::Oid::from(pg_sys::ExtensionNameIndexId);
+        let scan = pg_sys::systable_beginscan(catalog, index, true, std::ptr::null_mut(), 1, &mut key);
+        let row = pg_sys::systable_getnext(scan);
+        let owner = (!row.is_null())
+            .then(|| (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(row)).extowner);
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(catalog, lock);
+        owner
+    };
+    if owner.is_none() {
         ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             "extension durable_jobs is not installed in this database"
         );
     }
-    if let Some((cached, owner)) = OWNER.get() {
-        if cached == extension {
-            return owner;
-        }
-    }
-    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
-        "SELECT extowner FROM pg_catalog.pg_extension WHERE oid = $1",
-        &[extension.into()],
-    )
-    .ok()
-    .flatten()
-    .expect("the extension has an owner");
-    OWNER.set(Some((extension, owner)));
-    owner
+    owner.unwrap()
 }
 
 /// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores

@@ -736,3 +736,22 @@ fn a_handler_that_swallows_its_timeout_cannot_hold_the_worker() {
     });
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1, "the hog's write never committed");
 }
+
+#[test]
+fn a_new_extension_owner_takes_effect_in_open_sessions() {
+    let cluster = Cluster::start_without_extension("");
+    let mut admin = cluster.connect();
+    admin.batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE second_owner SUPERUSER").unwrap();
+    cluster.connect_as("first_owner").batch_execute("CREATE EXTENSION durable_jobs").unwrap();
+    // This session uses the extension under its first owner, then keeps going.
+    enqueue(&mut admin, "k");
+    admin
+        .batch_execute("REASSIGN OWNED BY first_owner TO second_owner; DROP ROLE first_owner")
+        .unwrap();
+    let job = admin
+        .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[])
+        .map(|row| row.get::<_, i64>(0))
+        .map_err(|e| error_text(&e));
+    assert!(job.is_ok(), "the session acted as the dropped owner: {job:?}");
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+}
