@@ -631,8 +631,13 @@ fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one(
     wait_until(Duration::from_secs(30), "the second job to run once its lease expired", || {
         count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 2
     });
-    let (state, code, attempts) = job_outcome(&mut client, "job_id = (SELECT min(job_id) FROM durable_jobs.durable_job)");
-    assert_eq!((state, code, attempts), ("succeeded".into(), None, 1), "the first job kept its first attempt");
+    let (state, code, attempts) =
+        job_outcome(&mut client, "job_id = (SELECT min(job_id) FROM durable_jobs.durable_job)");
+    assert_eq!(
+        (state, code, attempts),
+        ("succeeded".into(), None, 1),
+        "the first job kept its first attempt"
+    );
     let effects: Vec<(i32, i64)> = client
         .query("SELECT n, count(*) FROM public.effects GROUP BY n ORDER BY n", &[])
         .unwrap()
@@ -734,24 +739,67 @@ fn a_handler_that_swallows_its_timeout_cannot_hold_the_worker() {
         outcome_of(&mut client, "hog") == ("failed".into(), Some("lease_expired".into()))
             && outcome_of(&mut client, "record") == ("succeeded".into(), None)
     });
-    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1, "the hog's write never committed");
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM public.effects"),
+        1,
+        "the hog's write never committed"
+    );
 }
 
 #[test]
 fn a_new_extension_owner_takes_effect_in_open_sessions() {
     let cluster = Cluster::start_without_extension("");
     let mut admin = cluster.connect();
-    admin.batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE second_owner SUPERUSER").unwrap();
+    admin
+        .batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE second_owner SUPERUSER")
+        .unwrap();
     cluster.connect_as("first_owner").batch_execute("CREATE EXTENSION durable_jobs").unwrap();
     // This session uses the extension under its first owner, then keeps going.
     enqueue(&mut admin, "k");
-    admin
-        .batch_execute("REASSIGN OWNED BY first_owner TO second_owner; DROP ROLE first_owner")
-        .unwrap();
+    admin.batch_execute("REASSIGN OWNED BY first_owner TO second_owner; DROP ROLE first_owner").unwrap();
     let job = admin
         .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[])
         .map(|row| row.get::<_, i64>(0))
         .map_err(|e| error_text(&e));
     assert!(job.is_ok(), "the session acted as the dropped owner: {job:?}");
     assert_eq!(count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+}
+
+#[test]
+fn on_a_hot_standby_the_worker_waits_and_starts_work_after_promotion() {
+    let primary = Cluster::start("shared_preload_libraries = 'durable_jobs'\n");
+    let mut client = primary.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'public.record(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('record', jsonb_build_object('n', g))
+             FROM generate_series(1, 5) g;",
+        )
+        .unwrap();
+    let standby =
+        primary.start_standby("durable_jobs.worker_enabled = on\ndurable_jobs.poll_interval = '50ms'\n");
+    let mut replica = standby.connect();
+    let in_recovery: bool = replica.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0);
+    assert!(in_recovery);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(standby.worker_pids(&mut replica).is_empty(), "no worker runs during recovery");
+    assert_eq!(
+        count(&mut replica, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'available'"),
+        5
+    );
+
+    standby.pg_ctl(&["promote", "-w", "-t", "60"]);
+    wait_until(Duration::from_secs(30), "the promoted server's worker to run the jobs", || {
+        count(&mut replica, "SELECT count(*) FROM public.effects") == 5
+    });
+    // Quiet while waiting: one start, after the promotion, and no error or restart.
+    let log = standby.server_log();
+    let promoted_at = log.find("received promote request").expect("the promotion is in the log");
+    let started_at = log.find("durable_jobs worker 1 started").expect("the worker started");
+    assert!(started_at > promoted_at, "{log}");
+    assert_eq!(log.matches("durable_jobs worker 1 started").count(), 1, "{log}");
+    assert!(!log.contains("ERROR") && !log.contains("exited with exit code"), "{log}");
 }

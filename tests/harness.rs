@@ -96,6 +96,32 @@ impl Cluster {
         cluster
     }
 
+    /// A hot standby of this cluster, made by pg_basebackup and streaming from it, with
+    /// `extra_conf` appended to its configuration, running.
+    pub fn start_standby(&self, extra_conf: &str) -> Cluster {
+        let sequence = CLUSTER_SEQUENCE.fetch_add(1, Ordering::SeqCst);
+        let name = format!("cluster-{}-{sequence}", std::process::id());
+        let data_dir = self.data_dir.parent().expect("cluster root").join(name);
+        let _ = std::fs::remove_dir_all(&data_dir);
+        let mut basebackup = server_command(&self.bin_dir.join("pg_basebackup"));
+        basebackup
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-X", "stream", "-R", "-c", "fast", "-p"])
+            .arg(self.port.to_string())
+            .arg("-D")
+            .arg(&data_dir);
+        run(basebackup, "pg_basebackup");
+        // The copy carries the primary's log; the standby's starts empty.
+        let _ = std::fs::remove_file(data_dir.join("server.log"));
+        let standby = Cluster { data_dir, port: free_port(), bin_dir: self.bin_dir.clone() };
+        standby.append_conf(&format!(
+            "port = {}\nunix_socket_directories = '{}'\n{extra_conf}",
+            standby.port,
+            standby.data_dir.display()
+        ));
+        standby.pg_ctl(&["start", "-w", "-t", "60"]);
+        standby
+    }
+
     pub fn pg_ctl(&self, args: &[&str]) {
         let mut command = server_command(&self.bin_dir.join("pg_ctl"));
         command.arg("-D").arg(&self.data_dir).arg("-l").arg(self.data_dir.join("server.log"));
