@@ -276,13 +276,23 @@ unsafe extern "C-unwind" {
 /// statement timeout's cancel (`EXCEPTION WHEN query_canceled`), not this. Its lease is over by
 /// then, so its writes can never commit; the postmaster restarts the worker.
 static LEASE_WATCHDOG: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+/// Set when the watchdog fired, so that the exit says why (PostgreSQL's own line blames an
+/// administrator command).
+static LEASE_OUTLIVED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 unsafe extern "C-unwind" fn handler_outlived_its_lease() {
     // What PostgreSQL's SIGTERM handler does: the next interrupt check exits the process.
+    LEASE_OUTLIVED.store(true, std::sync::atomic::Ordering::Relaxed);
     unsafe {
         pg_sys::InterruptPending = 1;
         pg_sys::ProcDiePending = 1;
         pg_sys::SetLatch(pg_sys::MyLatch);
+    }
+}
+
+unsafe extern "C-unwind" fn explain_exit(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
+    if LEASE_OUTLIVED.load(std::sync::atomic::Ordering::Relaxed) {
+        log!("durable_jobs worker: a handler outlived its lease (it caught its statement timeout); exiting");
     }
 }
 
@@ -291,6 +301,7 @@ fn lease_watchdog() -> std::ffi::c_int {
     let mut id = LEASE_WATCHDOG.load(Ordering::Relaxed);
     if id < 0 {
         id = unsafe {
+            pg_sys::before_shmem_exit(Some(explain_exit), pg_sys::Datum::from(0));
             pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
                 RegisterTimeout(USER_TIMEOUT, Some(handler_outlived_its_lease))
             })

@@ -1,7 +1,8 @@
-//! The background worker: poll, claim one job whose kind has a handler, run it, repeat.
+//! The background worker: poll, claim jobs whose kind has a handler, run them, repeat.
 //!
-//! Transaction 1 claims and commits the lease, so a crash after it loses nothing: the job is
-//! claimed again once the lease expires. Transaction 2 runs the handlers (see `execution`).
+//! Transaction 1 claims and commits the leases, so a crash after it loses nothing: a job is
+//! claimed again once its lease expires. Then one transaction per enqueuing role runs that
+//! role's handlers (see `execution`).
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
@@ -124,7 +125,7 @@ fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
 }
 
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs and run them, each in its own
-/// subtransaction, all finished in one commit. Returns whether any job was claimed.
+/// subtransaction, one commit per enqueuing role. Returns whether any job was claimed.
 fn poll_once(worker_id: &str) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let claimed = BackgroundWorker::transaction(|| {

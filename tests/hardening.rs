@@ -744,6 +744,7 @@ fn a_handler_that_swallows_its_timeout_cannot_hold_the_worker() {
         1,
         "the hog's write never committed"
     );
+    assert!(cluster.server_log().contains("a handler outlived its lease"), "{}", cluster.server_log());
 }
 
 #[test]
