@@ -16,6 +16,7 @@ use crate::privilege::{as_extension_owner, with_worker_settings};
 use crate::sql_types::JsonbDatum;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::PgMemoryContexts;
 use pgrx::Uuid;
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -104,41 +105,60 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
     (i64::from(lease_seconds) * 100).clamp(100, 2000)
 }
 
-/// Runs a batch of claimed jobs, each in its own subtransaction; the caller's transaction
-/// commits whatever this leaves in place. Every handler gets the whole handler timeout (the
-/// lease less its margin): before a handler starts with less lease than that left, the leases
-/// of the batch's remaining jobs are renewed in one statement.
-pub fn run_jobs(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Tally {
-    let mut tally = Tally::default();
-    let margin_ms = lease_margin_ms(lease_seconds);
-    let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
-    let mut loaded = with_worker_settings(|| load_jobs(jobs, worker_id));
-    for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
-        let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
-            tally.count(Counter::Stale);
-            continue;
-        };
-        if expiry - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
-            let remaining: Vec<(i64, Uuid)> =
-                jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
-            let renewed = with_worker_settings(|| lease::renew_leases(&remaining, worker_id, lease_seconds));
-            let renewed: HashMap<i64, i64> = renewed.into_iter().collect();
-            // A lease that could not be renewed was lost: that job is not ours to run.
-            loaded.retain(|id, job| match renewed.get(id) {
-                Some(expiry) => {
-                    job.lease_expires_unix_us = *expiry;
-                    true
+/// Runs a batch of claimed jobs (all of one enqueuer), each in its own subtransaction and
+/// memory context; the caller's transaction commits whatever this leaves in place. Every
+/// handler gets the whole handler timeout (the lease less its margin): before a handler starts
+/// with less lease than that left, the leases of the batch's remaining jobs are renewed in one
+/// statement, and those of `later`, the claim's jobs of other enqueuers still to run in
+/// transactions of their own, in a subtransaction whose failure costs this batch nothing.
+pub fn run_jobs(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Tally {
+    with_worker_settings(|| {
+        let mut tally = Tally::default();
+        let margin_ms = lease_margin_ms(lease_seconds);
+        let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
+        let mut loaded = load_jobs(jobs, worker_id);
+        for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
+            let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
+                tally.count(Counter::Stale);
+                continue;
+            };
+            if expiry - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
+                let remaining: Vec<(i64, Uuid)> =
+                    jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
+                let renewed: HashMap<i64, i64> =
+                    lease::renew_leases(&remaining, worker_id, lease_seconds).into_iter().collect();
+                // A lease that could not be renewed was lost: that job is not ours to run.
+                loaded.retain(|id, job| match renewed.get(id) {
+                    Some(expiry) => {
+                        job.lease_expires_unix_us = *expiry;
+                        true
+                    }
+                    None => !remaining.iter().any(|(r, _)| r == id),
+                });
+                if !later.is_empty() {
+                    // Committed with this batch; a job whose row someone holds is renewed, or
+                    // found lost, when its own batch runs.
+                    let _ = in_subtransaction(|| {
+                        lease::renew_leases(later, worker_id, lease_seconds);
+                        true
+                    });
                 }
-                None => !remaining.iter().any(|(r, _)| r == id),
-            });
+            }
+            // Whatever the handler allocates (its result, the call's caches) goes with its job.
+            let mut job_memory = PgMemoryContexts::new("durable_jobs job");
+            // SAFETY: nothing allocated in the job's context is used after it.
+            unsafe {
+                job_memory.switch_to(|_| {
+                    match loaded.remove(job_id) {
+                        Some(job) => run_job(*job_id, *lease_token, worker_id, job, timeout_ms, &mut tally),
+                        None => tally.count(Counter::Stale),
+                    }
+                    clear_session_state();
+                })
+            };
         }
-        match loaded.remove(job_id) {
-            Some(job) => run_job(*job_id, *lease_token, worker_id, job, timeout_ms, &mut tally),
-            None => tally.count(Counter::Stale),
-        }
-        clear_session_state();
-    }
-    tally
+        tally
+    })
 }
 
 fn run_job(
@@ -157,7 +177,7 @@ fn run_job(
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
-        with_worker_settings(|| lease::complete_job(job_id, worker_id, lease_token)) == "succeeded"
+        lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
     });
     match outcome {
         Ok(true) => tally.count(Counter::Succeeded),
@@ -207,10 +227,10 @@ fn call_handler(handler: Handler, payload: JsonbDatum) {
 
 /// The fenced failure of one job, in a subtransaction of its own: an error there (a deadlock
 /// with a concurrent cancel, a lock timeout) is logged and leaves the job to its lease, which
-/// another claim takes over once it expires.
+/// another claim takes over once it expires. The caller has the worker's settings in force.
 pub fn record_failure(job_id: i64, lease_token: Uuid, worker_id: &str, code: FailureCode, tally: &mut Tally) {
     let outcome = in_subtransaction(|| {
-        let outcome = with_worker_settings(|| lease::fail_job(job_id, worker_id, lease_token, code));
+        let outcome = lease::fail_job(job_id, worker_id, lease_token, code);
         tally.count(Counter::for_outcome(outcome));
         true
     });
@@ -238,13 +258,15 @@ fn fire_constraints_immediately() {
 /// job, maybe another role's, runs: open cursors (portals), session advisory locks, temporary
 /// objects (only a function can be made in pg_temp under the restriction), open large objects,
 /// and the seed of `random()`. PostgreSQL itself refuses PREPARE, LISTEN and WITH HOLD cursors
-/// to the handler. Under the worker's lock timeout: dropping a temporary object can wait.
+/// to the handler. The sequence caches go too: `lastval()` would name the last job's sequence.
+/// Under the worker's lock timeout: dropping a temporary object can wait.
 fn clear_session_state() {
     const USER_LOCKMETHOD: pg_sys::LOCKMETHODID = 2;
-    with_worker_settings(|| unsafe {
+    unsafe {
         pg_sys::PortalHashTableDeleteAll();
         pg_sys::LockReleaseSession(USER_LOCKMETHOD);
         pg_sys::ResetTempTableNamespace();
+        pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| ResetSequenceCaches());
         let mut seed = [0u8; 8];
         pg_sys::pg_strong_random(seed.as_mut_ptr().cast(), seed.len());
         let seed = (u64::from_le_bytes(seed) as f64 / u64::MAX as f64) * 2.0 - 1.0;
@@ -252,17 +274,23 @@ fn clear_session_state() {
             AtEOXact_LargeObject(true);
             pg_sys::DirectFunctionCall1Coll(Some(setseed), pg_sys::Oid::INVALID, seed.into_datum().unwrap());
         });
-    });
+    }
 }
 
 // Not in pgrx's bindings, or only as Rust wrappers: libpq/be-fsstubs.h, utils/fmgrprotos.h and
-// utils/timeout.h. STATEMENT_TIMEOUT is the fourth TimeoutId, USER_TIMEOUT the first one free
-// for extensions, on PostgreSQL 15 through 18.
+// utils/timeout.h. STATEMENT_TIMEOUT is the fourth TimeoutId on PostgreSQL 15 through 18;
+// USER_TIMEOUT, which asks RegisterTimeout for a free slot, is 12 on 15 and 16, and 13 from 17
+// on (TRANSACTION_TIMEOUT came before it); check timeout.h when adding a version.
 const STATEMENT_TIMEOUT: std::ffi::c_int = 3;
+#[cfg(any(feature = "pg15", feature = "pg16"))]
 const USER_TIMEOUT: std::ffi::c_int = 12;
+#[cfg(not(any(feature = "pg15", feature = "pg16")))]
+const USER_TIMEOUT: std::ffi::c_int = 13;
 unsafe extern "C-unwind" {
     /// Closes every open large object descriptor, as the end of a transaction would.
     fn AtEOXact_LargeObject(is_commit: bool);
+    /// commands/sequence.h: what `DISCARD SEQUENCES` does.
+    fn ResetSequenceCaches();
     fn setseed(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
     fn enable_timeout_after(id: std::ffi::c_int, delay_ms: std::ffi::c_int);
     fn disable_timeout(id: std::ffi::c_int, keep_indicator: bool);
@@ -292,7 +320,10 @@ unsafe extern "C-unwind" fn handler_outlived_its_lease() {
 
 unsafe extern "C-unwind" fn explain_exit(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
     if LEASE_OUTLIVED.load(std::sync::atomic::Ordering::Relaxed) {
-        log!("durable_jobs worker: a handler outlived its lease (it caught its statement timeout); exiting");
+        log!(
+            "durable_jobs worker: a handler outlived its lease (it caught its statement timeout, or ran \
+             code that does not check for interrupts); exiting"
+        );
     }
 }
 

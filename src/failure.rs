@@ -48,9 +48,9 @@ impl FailureCode {
             _ => match &sqlstate[..2.min(sqlstate.len())] {
                 "22" => FailureCode::InvalidRequest,
                 "23" => FailureCode::IntegrityViolation,
-                // Syntax or access rule violations and invalid authorization: a retry cannot
-                // succeed.
-                "42" | "28" => FailureCode::TargetRejected,
+                // Syntax or access rule violations, invalid authorization, transaction control
+                // in a handler, program limits (stack depth, sizes): a retry cannot succeed.
+                "42" | "28" | "2D" | "54" => FailureCode::TargetRejected,
                 "40" | "53" | "08" => FailureCode::TargetUnavailable,
                 _ => FailureCode::UnexpectedFailure,
             },

@@ -147,8 +147,10 @@ fn poll_once(worker_id: &str) -> bool {
             for _ in &jobs {
                 metrics::count(Counter::Claimed);
             }
-            for batch in batches_per_enqueuer(jobs) {
-                run_batch(&batch, worker_id, lease_seconds);
+            let batches = batches_per_enqueuer(jobs);
+            for (position, batch) in batches.iter().enumerate() {
+                let later: Vec<(i64, Uuid)> = batches[position + 1..].concat();
+                run_batch(batch, &later, worker_id, lease_seconds);
             }
             true
         }
@@ -173,10 +175,10 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<Vec<(i64, Uuid)
 /// outside any one job's subtransaction, or at commit), nothing of it is kept and each job is
 /// run again alone, so that the error stays with the job that caused it; a job whose own
 /// transaction fails at commit is failed with that error's code.
-fn run_batch(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
+fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
     let run = |jobs: &[(i64, Uuid)]| {
         in_transaction(|| {
-            BackgroundWorker::transaction(|| execution::run_jobs(jobs, worker_id, lease_seconds))
+            BackgroundWorker::transaction(|| execution::run_jobs(jobs, later, worker_id, lease_seconds))
         })
     };
     let sqlstate = match run(jobs) {
@@ -203,7 +205,9 @@ fn run_batch(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
             BackgroundWorker::transaction(|| {
                 let mut tally = Tally::default();
                 let code = FailureCode::from_sqlstate(&sqlstate);
-                execution::record_failure(job_id, lease_token, worker_id, code, &mut tally);
+                with_worker_settings(|| {
+                    execution::record_failure(job_id, lease_token, worker_id, code, &mut tally)
+                });
                 tally
             })
         });

@@ -804,3 +804,105 @@ fn on_a_hot_standby_the_worker_waits_and_starts_work_after_promotion() {
     assert_eq!(log.matches("durable_jobs worker 1 started").count(), 1, "{log}");
     assert!(!log.contains("ERROR") && !log.contains("exited with exit code"), "{log}");
 }
+
+#[test]
+fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
+    // One claim takes app_a's two slow jobs (first, by priority) and app_b's three; app_b's run
+    // in their own transaction after app_a's, beyond their claim-time lease.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+    ));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep(2.5);
+                 INSERT INTO public.effects VALUES (current_user);
+             END $$;
+             CREATE FUNCTION public.quick(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('quick', 'public.quick(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    app_a
+        .batch_execute(
+            "SELECT durable_jobs.enqueue_durable_job('slow', '{}', priority => 10) FROM generate_series(1, 2)",
+        )
+        .unwrap();
+    app_b
+        .batch_execute(
+            "SELECT durable_jobs.enqueue_durable_job('quick', '{}', max_attempts => 1) FROM generate_series(1, 3)",
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(40), "the five jobs to finish", || finished(&mut admin) == 5);
+    let outcomes: Vec<(String, String, i32)> = admin
+        .query(
+            "SELECT enqueued_by::text, job_state, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    for (role, state, attempts) in outcomes {
+        assert_eq!((state.as_str(), attempts), ("succeeded", 1), "a job of {role}");
+    }
+}
+
+#[test]
+fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_are_not_retried() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE public.seen (what text);
+             GRANT INSERT ON public.seen TO PUBLIC;
+             SELECT durable_jobs.pause_durable_job_queue('default');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "CREATE SEQUENCE public.payroll_secret_seq;
+             CREATE FUNCTION public.count_payroll(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT nextval('public.payroll_secret_seq') $$;
+             CREATE PROCEDURE public.commits(payload jsonb) LANGUAGE plpgsql AS $$ BEGIN COMMIT; END $$;
+             SELECT durable_jobs.register_durable_job_handler('payroll', 'public.count_payroll(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('commits', 'public.commits(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('payroll', '{}', priority => 10);
+             SELECT durable_jobs.enqueue_durable_job('commits', '{}', priority => 10);",
+        )
+        .unwrap();
+    let mut app_b = cluster.connect_as("app_b");
+    app_b
+        .batch_execute(
+            "CREATE FUNCTION public.peek_lastval(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM lastval();
+                 INSERT INTO public.seen VALUES ('a value');
+             EXCEPTION WHEN OTHERS THEN
+                 INSERT INTO public.seen VALUES (SQLSTATE || ' ' || SQLERRM);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('peek', 'public.peek_lastval(jsonb)');
+             SELECT durable_jobs.enqueue_durable_job('peek', '{}');",
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
+    let seen: String = admin.query_one("SELECT what FROM public.seen", &[]).unwrap().get(0);
+    assert!(seen.starts_with("55000 "), "{seen}");
+    assert!(!seen.contains("payroll"), "{seen}");
+    // A handler that ends the transaction itself can never succeed: failed at once, not retried.
+    let (state, code, attempts) = job_outcome(&mut admin, "job_kind = 'commits'");
+    assert_eq!((state.as_str(), code.as_deref(), attempts), ("failed", Some("target_rejected"), 1));
+}
