@@ -1,5 +1,6 @@
 -- durable_jobs 0.2.0 to 0.3.0: idempotency keys are unique per enqueuing role; claims never
--- wait on a queue's lock; durable_job_queue_running is VOLATILE. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- wait on a queue's lock; durable_job_queue_running is VOLATILE; the worker's claim asks
+-- durable_job_handler_serves whose jobs a registration serves. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.3.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -39,3 +40,14 @@ DROP INDEX durable_jobs.durable_job_idempotency_key_idx;
 CREATE UNIQUE INDEX durable_job_idempotency_key_idx
     ON durable_jobs.durable_job (queue_name, enqueued_by, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
+
+CREATE FUNCTION durable_jobs.durable_job_handler_serves(registered_by pg_catalog.text,
+                                                        enqueued_by pg_catalog.text)
+    RETURNS pg_catalog.bool
+    STRICT STABLE PARALLEL SAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'durable_job_handler_serves_wrapper';
+
+-- As everything else in durable_jobs: no one but the owner until granted.
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_handler_serves(pg_catalog.text, pg_catalog.text) FROM PUBLIC;

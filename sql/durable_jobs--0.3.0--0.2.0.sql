@@ -35,3 +35,5 @@ DROP INDEX durable_jobs.durable_job_idempotency_key_idx;
 CREATE UNIQUE INDEX durable_job_idempotency_key_idx
     ON durable_jobs.durable_job (queue_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
+
+DROP FUNCTION durable_jobs.durable_job_handler_serves(pg_catalog.text, pg_catalog.text);

@@ -9,6 +9,7 @@ use crate::arguments;
 use crate::lease::first_value_of;
 use crate::privilege::{as_extension_owner, caller, Caller};
 use crate::sql_types::Regprocedure;
+use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 /// (prokind, pronargs, first argument is jsonb, caller may execute) of a routine.
@@ -142,4 +143,30 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
         .expect("unregister handler");
         true
     })
+}
+
+/// Whether a registration made by `registered_by` serves the jobs that `enqueued_by` enqueues:
+/// the registrant's own, those of roles with its privileges, and every role's when the
+/// registrant is a superuser. Asked by the background worker's claim for each candidate, from
+/// the role caches, so that the claim's plan stays as simple as a lookup of the kind.
+#[pg_extern(stable, parallel_safe, strict)]
+#[search_path(pg_catalog, pg_temp)]
+fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
+    if registered_by == enqueued_by {
+        return true;
+    }
+    let role_oid = |name: &str| {
+        std::ffi::CString::new(name)
+            .map(|name| unsafe { pg_sys::get_role_oid(name.as_ptr(), true) })
+            .unwrap_or(pg_sys::Oid::INVALID)
+    };
+    let registrant = role_oid(registered_by);
+    if registrant == pg_sys::Oid::INVALID {
+        return false;
+    }
+    if unsafe { pg_sys::superuser_arg(registrant) } {
+        return true;
+    }
+    let enqueuer = role_oid(enqueued_by);
+    enqueuer != pg_sys::Oid::INVALID && unsafe { pg_sys::has_privs_of_role(enqueuer, registrant) }
 }

@@ -35,69 +35,80 @@ macro_rules! lease_fence {
 // One statement: first, expired leases with no attempts left end as `lease_expired` instead of
 // being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
 // touch disjoint rows (attempts used up or not).
-pub(crate) const CLAIM: &str = concat!(
-    "
-    WITH exhausted AS (
-        SELECT job_id FROM durable_jobs.durable_job
-        WHERE job_state = 'running'
-          AND lease_expires_at <= pg_catalog.clock_timestamp()
-          AND attempt_count >= max_attempts
-          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-        ORDER BY lease_expires_at
-        LIMIT 100
-        FOR UPDATE SKIP LOCKED),
-    expired AS (
-        UPDATE durable_jobs.durable_job x
-        SET job_state = 'failed', last_failure_code = 'lease_expired',
-            finished_at = pg_catalog.clock_timestamp(), ",
-    release_lease!(),
-    "
-        FROM exhausted WHERE x.job_id = exhausted.job_id
-        RETURNING x.job_id),
-    -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
-    -- the claim an index scan; a limited queue with room left is checked under its lock.
-    closed AS MATERIALIZED (
-        SELECT q.queue_name FROM durable_jobs.durable_job_queue q
-        WHERE q.paused
-           OR (q.concurrency_limit IS NOT NULL
-               AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
-    candidate AS (
-        SELECT job_id FROM durable_jobs.durable_job
-        WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
-               OR (job_state = 'running'
-                   AND lease_expires_at <= pg_catalog.clock_timestamp()
-                   AND attempt_count < max_attempts))
-          AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-          AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
-          AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
-                          WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
-                            AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
-          -- The background worker takes a kind only from the enqueuers its registration serves:
-          -- a superuser's registration serves every role, another role's only the roles that
-          -- have its privileges, so nobody can take over the jobs of a kind others serve.
-          AND (NOT $4 OR EXISTS (
-                SELECT 1 FROM durable_jobs.durable_job_handler h
-                WHERE h.job_kind = durable_job.job_kind
-                  AND (h.registered_by = durable_job.enqueued_by
-                       OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles g
-                                  WHERE g.rolname = h.registered_by
-                                    AND (g.rolsuper OR EXISTS (
-                                         SELECT 1 FROM pg_catalog.pg_roles e
-                                         WHERE e.rolname = durable_job.enqueued_by
-                                           AND pg_catalog.pg_has_role(e.oid, g.oid, 'USAGE')))))))
-        ORDER BY priority DESC, run_after, job_id
-        LIMIT $5
-        FOR UPDATE OF durable_job SKIP LOCKED)
-    UPDATE durable_jobs.durable_job j
-    SET job_state = 'running',
-        lease_owner = $2,
-        lease_token = pg_catalog.gen_random_uuid(),
-        lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
-        attempt_count = j.attempt_count + 1,
-        updated_at = pg_catalog.clock_timestamp()
-    FROM candidate WHERE j.job_id = candidate.job_id
-    RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
-              j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text"
+macro_rules! claim_statement {
+    ($kind_filter:literal) => {
+        concat!(
+                "
+                WITH exhausted AS (
+                    SELECT job_id FROM durable_jobs.durable_job
+                    WHERE job_state = 'running'
+                      AND lease_expires_at <= pg_catalog.clock_timestamp()
+                      AND attempt_count >= max_attempts
+                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+                    ORDER BY lease_expires_at
+                    LIMIT 100
+                    FOR UPDATE SKIP LOCKED),
+                expired AS (
+                    UPDATE durable_jobs.durable_job x
+                    SET job_state = 'failed', last_failure_code = 'lease_expired',
+                        finished_at = pg_catalog.clock_timestamp(), ",
+                release_lease!(),
+                "
+                    FROM exhausted WHERE x.job_id = exhausted.job_id
+                    RETURNING x.job_id),
+                -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
+                -- the claim an index scan; a limited queue with room left is checked under its lock.
+                closed AS MATERIALIZED (
+                    SELECT q.queue_name FROM durable_jobs.durable_job_queue q
+                    WHERE q.paused
+                       OR (q.concurrency_limit IS NOT NULL
+                           AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
+                candidate AS (
+                    SELECT job_id FROM durable_jobs.durable_job
+                    WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
+                           OR (job_state = 'running'
+                               AND lease_expires_at <= pg_catalog.clock_timestamp()
+                               AND attempt_count < max_attempts))
+                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+                      AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
+                      AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
+                                        AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
+                      ",
+                        $kind_filter,
+                        "
+                    ORDER BY priority DESC, run_after, job_id
+                    LIMIT $5
+                    FOR UPDATE OF durable_job SKIP LOCKED)
+                UPDATE durable_jobs.durable_job j
+                SET job_state = 'running',
+                    lease_owner = $2,
+                    lease_token = pg_catalog.gen_random_uuid(),
+                    lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
+                    attempt_count = j.attempt_count + 1,
+                    updated_at = pg_catalog.clock_timestamp()
+                FROM candidate WHERE j.job_id = candidate.job_id
+                RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
+                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text"
+        )
+    };
+}
+
+// The SQL API's claim takes any kind ($4 is false); it must also run on the previous version's
+// schema until ALTER EXTENSION durable_jobs UPDATE.
+pub(crate) const CLAIM: &str = claim_statement!(
+    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))"
+);
+
+// The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
+// serves: a superuser's registration serves every role, another role's only the roles that have
+// its privileges, so nobody can take over the jobs of a kind others serve.
+pub(crate) const CLAIM_FOR_WORKER: &str = claim_statement!(
+    "AND $4 AND EXISTS (
+         SELECT 1 FROM durable_jobs.durable_job_handler h
+         WHERE h.job_kind = durable_job.job_kind
+           AND durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
+                                                       durable_job.enqueued_by::pg_catalog.text))"
 );
 
 const COMPLETE: &str = concat!(
@@ -264,7 +275,8 @@ pub fn claim_jobs(
                     handlers_only.into(),
                     i64::from(count).into(),
                 ];
-                plans::execute(client, CLAIM, &args)
+                let statement = if handlers_only { CLAIM_FOR_WORKER } else { CLAIM };
+                plans::execute(client, statement, &args)
                     .map(|row| ClaimedJob {
                         job_id: row.get(1).unwrap().unwrap(),
                         lease_token: row.get(2).unwrap().unwrap(),
