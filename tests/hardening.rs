@@ -19,6 +19,14 @@ const APP_ROLES: &str = "
       TO app_a, app_b;
     GRANT CREATE ON SCHEMA public TO app_a, app_b;";
 
+/// A cluster with `extra_conf`, the application roles, and a superuser connection to it.
+fn cluster_with_app_roles(extra_conf: &str) -> (Cluster, Client) {
+    let cluster = Cluster::start(extra_conf);
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    (cluster, admin)
+}
+
 fn finished(client: &mut Client) -> i64 {
     count(client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL")
 }
@@ -43,9 +51,7 @@ fn enqueue(client: &mut Client, kind: &str) -> i64 {
 
 #[test]
 fn nothing_a_handler_defers_to_commit_runs_as_the_worker() {
-    let cluster = Cluster::start(WORKER_CONF);
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
     admin
         .batch_execute(
             "CREATE TABLE public.ran_as (who name, what text);
@@ -132,9 +138,8 @@ fn nothing_a_handler_defers_to_commit_runs_as_the_worker() {
 fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
     // One worker, one claim of all three jobs: both roles' jobs run in the same session (each
     // role's in a transaction of its own).
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     admin
         .batch_execute(
             "CREATE TABLE public.audit_log (who name);
@@ -259,9 +264,7 @@ fn a_handler_can_call_the_extension() {
 
 #[test]
 fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_own_roles() {
-    let cluster = Cluster::start(WORKER_CONF);
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
     admin
         .batch_execute(
             "CREATE TABLE public.effects (kind text, who name);
@@ -325,9 +328,7 @@ fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_o
 
 #[test]
 fn of_two_roles_registering_a_new_kind_at_once_the_later_is_refused() {
-    let cluster = Cluster::start("");
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) = cluster_with_app_roles("");
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     for (client, role) in [(&mut app_a, "a"), (&mut app_b, "b")] {
@@ -567,9 +568,7 @@ fn cancelling_an_idle_worker_does_not_restart_it() {
 
 #[test]
 fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
-    let cluster = Cluster::start("");
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) = cluster_with_app_roles("");
     let enqueue_with_key = |client: &mut Client, payload: &str, key: &str| -> Result<i64, String> {
         client
             .query_one("SELECT durable_jobs.enqueue_durable_job('k', $1::text::jsonb, $2)", &[&payload, &key])
@@ -656,11 +655,10 @@ fn the_routine_that_runs_is_the_one_that_was_checked() {
     // app_a owns the schema of a superuser's handler; its own job, run first in the same batch
     // transaction, swaps in a routine of its own under the same name before the next job (also
     // app_a's) calls it. Done by another session between the check and the call, this swap ran
-    // app_a's code as a superuser enqueuer in 0.3.0's first draft; a superuser's own jobs now
+    // app_a's code as a superuser enqueuer in an earlier 0.3.0 commit; a superuser's own jobs now
     // run in another transaction, where the swapped routine fails the owner check.
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     admin
         .batch_execute(
             "GRANT CREATE ON DATABASE postgres TO app_a;
@@ -860,9 +858,8 @@ fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
 
 #[test]
 fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_are_not_retried() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
-    let mut admin = cluster.connect();
-    admin.batch_execute(APP_ROLES).unwrap();
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     admin
         .batch_execute(
             "CREATE TABLE public.seen (what text);
