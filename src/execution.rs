@@ -12,7 +12,7 @@ use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
-use crate::privilege::{as_extension_owner, with_worker_settings};
+use crate::privilege::{as_extension_owner, set_at_this_level, with_worker_settings};
 use crate::sql_types::JsonbDatum;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -369,16 +369,7 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
         let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            HANDLER_SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
+        set_at_this_level(c"search_path", HANDLER_SEARCH_PATH);
         let restricted = pg_sys::SECURITY_LOCAL_USERID_CHANGE | pg_sys::SECURITY_RESTRICTED_OPERATION;
         pg_sys::SetUserIdAndSecContext(role, saved_context | restricted as i32);
         let watchdog = lease_watchdog();

@@ -86,22 +86,27 @@ const WORKER_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
 pub fn with_worker_settings<R>(f: impl FnOnce() -> R) -> R {
     unsafe {
         let level = pg_sys::NewGUCNestLevel();
-        for (name, value) in
-            [(c"search_path", c"pg_catalog, pg_temp"), (c"lock_timeout", WORKER_LOCK_TIMEOUT)]
-        {
-            pg_sys::set_config_option(
-                name.as_ptr(),
-                value.as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_SAVE,
-                true,
-                0,
-                false,
-            );
-        }
+        set_at_this_level(c"search_path", c"pg_catalog, pg_temp");
+        set_at_this_level(c"lock_timeout", WORKER_LOCK_TIMEOUT);
         let result = f();
         pg_sys::AtEOXact_GUC(true, level);
         result
+    }
+}
+
+/// Sets a setting as a function's `SET` clause does: saved, so that `AtEOXact_GUC` for the
+/// current GUC nest level (from `NewGUCNestLevel`) puts the previous value back.
+pub(crate) unsafe fn set_at_this_level(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    unsafe {
+        pg_sys::set_config_option(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
     }
 }

@@ -172,9 +172,9 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<Vec<(i64, Uuid)
 }
 
 /// Runs a claimed batch in one transaction. If that transaction fails as a whole (an error
-/// outside any one job's subtransaction, or at commit), nothing of it is kept and each job is
-/// run again alone, so that the error stays with the job that caused it; a job whose own
-/// transaction fails at commit is failed with that error's code.
+/// outside any one job's subtransaction, or at commit), nothing of it is kept and each job of a
+/// larger batch is run again alone, so that the error stays with the job that caused it; a job
+/// whose own transaction fails is failed with that error's code.
 fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
     let run = |jobs: &[(i64, Uuid)]| {
         in_transaction(|| {
@@ -185,35 +185,36 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,
     };
-    if jobs.len() > 1 {
-        log!(
-            "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
-             running its jobs one by one",
-            jobs.len()
-        );
+    if let [job] = jobs {
+        return fail_in_own_transaction(*job, &sqlstate, worker_id);
     }
+    log!(
+        "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
+         running its jobs one by one",
+        jobs.len()
+    );
     for job in jobs {
-        let sqlstate = match run(std::slice::from_ref(job)) {
-            Ok(tally) => {
-                tally.publish();
-                continue;
-            }
-            Err(sqlstate) => sqlstate,
-        };
-        let (job_id, lease_token) = *job;
-        let recorded = in_transaction_or_logged("recording a failure", || {
-            BackgroundWorker::transaction(|| {
-                let mut tally = Tally::default();
-                let code = FailureCode::from_sqlstate(&sqlstate);
-                with_worker_settings(|| {
-                    execution::record_failure(job_id, lease_token, worker_id, code, &mut tally)
-                });
-                tally
-            })
-        });
-        if let Some(tally) = recorded {
-            tally.publish();
+        match run(std::slice::from_ref(job)) {
+            Ok(tally) => tally.publish(),
+            Err(sqlstate) => fail_in_own_transaction(*job, &sqlstate, worker_id),
         }
+    }
+}
+
+/// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.
+fn fail_in_own_transaction((job_id, lease_token): (i64, Uuid), sqlstate: &str, worker_id: &str) {
+    let recorded = in_transaction_or_logged("recording a failure", || {
+        BackgroundWorker::transaction(|| {
+            let mut tally = Tally::default();
+            let code = FailureCode::from_sqlstate(sqlstate);
+            with_worker_settings(|| {
+                execution::record_failure(job_id, lease_token, worker_id, code, &mut tally)
+            });
+            tally
+        })
+    });
+    if let Some(tally) = recorded {
+        tally.publish();
     }
 }
 
