@@ -67,8 +67,7 @@ struct LoadedJob {
 
 /// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
 fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
-    let ids: Vec<i64> = jobs.iter().map(|(id, _)| *id).collect();
-    let tokens: Vec<Uuid> = jobs.iter().map(|(_, token)| *token).collect();
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
             plans::execute(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])

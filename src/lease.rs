@@ -336,8 +336,7 @@ pub fn fail_job(job_id: i64, worker_id: &str, lease_token: Uuid, code: FailureCo
 /// Renews the leases of `jobs` held by `worker_id`; returns (job_id, new expiry in Unix
 /// microseconds) for each lease that was still live.
 pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Vec<(i64, i64)> {
-    let ids: Vec<i64> = jobs.iter().map(|(id, _)| *id).collect();
-    let tokens: Vec<Uuid> = jobs.iter().map(|(_, token)| *token).collect();
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
             let args = [ids.into(), tokens.into(), worker_id.into(), f64::from(lease_seconds).into()];
