@@ -126,7 +126,8 @@ pub fn run_jobs(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, le
                     jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
                 let renewed: HashMap<i64, i64> =
                     lease::renew_leases(&remaining, worker_id, lease_seconds).into_iter().collect();
-                // A lease that could not be renewed was lost: that job is not ours to run.
+                // A lease that could not be renewed was lost, or its row is held by another
+                // session: that job is not ours to run now; it is claimed again after its lease.
                 loaded.retain(|id, job| match renewed.get(id) {
                     Some(expiry) => {
                         job.lease_expires_unix_us = *expiry;

@@ -159,15 +159,22 @@ const EXTEND: &str = concat!(
 
 // The background worker's renewal of the leases of a batch's jobs not yet run, so that each
 // handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
-// EXTEND; returns each renewed job with its new expiry in Unix microseconds.
+// EXTEND; returns each renewed job with its new expiry in Unix microseconds. A job whose row
+// another session holds (its enqueuer cancelling it, say) is skipped, never waited for: the
+// wait would end in the worker's lock timeout and fail the whole batch, other roles' jobs with
+// it. A skipped job is left to its lease.
 const RENEW_BATCH: &str = "
+    WITH live AS (
+        SELECT x.job_id FROM durable_jobs.durable_job x
+        JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+             AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
+        WHERE x.job_state = 'running' AND x.lease_owner = $3
+          AND x.lease_expires_at > pg_catalog.clock_timestamp()
+        FOR UPDATE OF x SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
         updated_at = pg_catalog.clock_timestamp()
-    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-         AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_state = 'running'
-      AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    FROM live WHERE j.job_id = live.job_id
     RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that

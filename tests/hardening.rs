@@ -857,6 +857,64 @@ fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
 }
 
 #[test]
+fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
+    // One claim takes app_a's slow job and quick job, then app_b's job (one attempt only). While
+    // the slow job runs, app_a holds the row of its quick job (a cancel left open), so the lease
+    // renewal before the quick job cannot lock it: it must skip that job, not wait, fail the
+    // batch and lose the renewal of app_b's lease with it.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+    ));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION durable_jobs.cancel_durable_job(bigint) TO app_a;
+             CREATE TABLE public.effects (who name, what text);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep((payload->>'seconds')::float8);
+                 INSERT INTO public.effects VALUES (current_user, payload->>'what');
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    app_a
+        .batch_execute(
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 3, "what": "slow"}', priority => 10);"#,
+        )
+        .unwrap();
+    let held: i64 = app_a
+        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "held"}', priority => 9)"#, &[])
+        .unwrap()
+        .get(0);
+    app_b
+        .batch_execute(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "b"}', max_attempts => 1)"#)
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(10), "one claim to take the three jobs", || {
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'") == 3
+    });
+    let mut holding = app_a.transaction().unwrap();
+    holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap();
+    wait_until(Duration::from_secs(20), "app_b's job to finish", || {
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE enqueued_by = 'app_b' AND finished_at IS NOT NULL") == 1
+    });
+    holding.rollback().unwrap();
+    let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");
+    assert_eq!((state.as_str(), code, attempts), ("succeeded", None, 1), "app_b's job ran on its one attempt");
+    assert_eq!(
+        count(&mut admin, "SELECT count(*) FROM public.effects WHERE what = 'slow'"),
+        1,
+        "app_a's slow job committed once, with its batch"
+    );
+}
+
+#[test]
 fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_are_not_retried() {
     let (cluster, mut admin) =
         cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
