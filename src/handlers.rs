@@ -146,8 +146,8 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
 }
 
 /// Whether a registration made by `registered_by` serves the jobs that `enqueued_by` enqueues:
-/// the registrant's own, those of roles with its privileges, and every role's when the
-/// registrant is a superuser. Asked by the background worker's claim for each candidate, from
+/// the registrant's own, those of other roles with its privileges that are not superusers, and
+/// every role's when the registrant is a superuser. Asked by the background worker's claim for each candidate, from
 /// the role caches, so that the claim's plan stays as simple as a lookup of the kind.
 #[pg_extern(stable, parallel_safe, strict)]
 #[search_path(pg_catalog, pg_temp)]
@@ -167,6 +167,9 @@ fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
     if unsafe { pg_sys::superuser_arg(registrant) } {
         return true;
     }
+    // has_privs_of_role is true for every superuser: a registration of a role that is not one
+    // never serves a superuser's jobs, which only a superuser's registration may take over.
     let enqueuer = role_oid(enqueued_by);
-    enqueuer != pg_sys::Oid::INVALID && unsafe { pg_sys::has_privs_of_role(enqueuer, registrant) }
+    enqueuer != pg_sys::Oid::INVALID
+        && unsafe { !pg_sys::superuser_arg(enqueuer) && pg_sys::has_privs_of_role(enqueuer, registrant) }
 }

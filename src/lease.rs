@@ -177,6 +177,29 @@ const RENEW_BATCH: &str = "
     FROM live WHERE j.job_id = live.job_id
     RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
 
+// The leases `lease_owner` $2 still holds among jobs $1, in the order given: what a role runner
+// takes over from the worker that claimed them.
+const HELD_LEASES: &str = "
+    SELECT j.job_id, j.lease_token
+    FROM pg_catalog.unnest($1::pg_catalog.int8[]) WITH ORDINALITY AS c(job_id, position)
+    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id
+    WHERE j.job_state = 'running' AND j.lease_owner = $2 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    ORDER BY c.position";
+
+// Gives claimed jobs that never started back, with their attempt: available again in a second.
+const RELEASE_UNSTARTED: &str = concat!(
+    "
+    UPDATE durable_jobs.durable_job j
+    SET job_state = 'available', attempt_count = j.attempt_count - 1,
+        run_after = pg_catalog.clock_timestamp() + interval '1 second', ",
+    release_lease!(),
+    "
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         AS c(job_id, lease_token)
+    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_state = 'running'
+      AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()"
+);
+
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may cancel it too.
 const LOCK_FOR_CANCEL: &str = "
@@ -350,6 +373,27 @@ pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -
             plans::execute(client, RENEW_BATCH, &args)
                 .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
                 .collect()
+        })
+    })
+}
+
+/// The leases `worker_id` still holds among `job_ids`, in their order.
+pub fn held_leases(job_ids: &[i64], worker_id: &str) -> Vec<(i64, Uuid)> {
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            plans::execute(client, HELD_LEASES, &[job_ids.to_vec().into(), worker_id.into()])
+                .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
+                .collect()
+        })
+    })
+}
+
+/// Gives `jobs`, claimed by `worker_id` but never started, back to the queue with their attempt.
+pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
+    as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            plans::execute(client, RELEASE_UNSTARTED, &[ids.into(), tokens.into(), worker_id.into()]);
         })
     })
 }

@@ -6,7 +6,8 @@
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
 //! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause,
 //! resume, concurrency limits), `retention` (deleting finished jobs), `worker` (the background
-//! worker loop), `execution` (running one handler), `wakeup` (latches set at enqueue commit),
+//! worker loop), `runner` (role runners: one session per role), `execution` (running one
+//! handler), `wakeup` (latches set at enqueue commit),
 //! `metrics`.
 
 use pgrx::prelude::*;
@@ -22,6 +23,7 @@ mod plans;
 mod privilege;
 mod queues;
 mod retention;
+mod runner;
 mod settings;
 mod sql_types;
 mod wakeup;
@@ -44,6 +46,7 @@ pub extern "C-unwind" fn _PG_init() {
         settings::register_postmaster_settings();
         metrics::init_shared_memory();
         wakeup::init_shared_memory();
+        runner::init_shared_memory();
         // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
         // the databases: a worker connected to one makes its restore fail.
         if !unsafe { pg_sys::IsBinaryUpgrade } {

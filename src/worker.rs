@@ -2,7 +2,8 @@
 //!
 //! Transaction 1 claims and commits the leases, so a crash after it loses nothing: a job is
 //! claimed again once its lease expires. Then one transaction per enqueuing role runs that
-//! role's handlers (see `execution`).
+//! role's handlers (see `execution`): in the worker's own session for the role it is bound to,
+//! in a role runner's session of its own for any other role (see `runner`).
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
@@ -12,12 +13,14 @@ use crate::lease;
 use crate::metrics::{self, Counter, Tally};
 use crate::privilege::{as_extension_owner, with_worker_settings};
 use crate::retention;
+use crate::runner;
 use crate::settings;
 use crate::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 pub const WORKER_TYPE: &str = "durable_jobs worker";
@@ -47,13 +50,7 @@ unsafe extern "C-unwind" {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
-    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), settings::worker_role().as_deref());
-    set_session_option(c"application_name", &format!("{WORKER_TYPE} {number}"));
-    // The fences rely on READ COMMITTED's re-check of a row updated concurrently; under a
-    // configured REPEATABLE READ default they would raise serialization failures instead.
-    set_session_option(c"default_transaction_isolation", "read committed");
+    start_session(&format!("{WORKER_TYPE} {number}"));
     wakeup::publish_worker(number);
     log!("{WORKER_TYPE} {number} started");
 
@@ -68,7 +65,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             }
             let enabled = settings::WORKER_ENABLED.get();
-            let found_job = enabled && poll_once(&worker_id);
+            let found_job = enabled && poll_once(number, &worker_id);
             if enabled && last_prune.elapsed() >= PRUNE_EVERY {
                 prune_finished_jobs();
                 last_prune = Instant::now();
@@ -85,6 +82,42 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
+}
+
+/// Signal handlers, the connection, and the session settings of a worker or a role runner.
+fn start_session(application_name: &str) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
+    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), settings::worker_role().as_deref());
+    set_session_option(c"application_name", application_name);
+    // The fences rely on READ COMMITTED's re-check of a row updated concurrently; under a
+    // configured REPEATABLE READ default they would raise serialization failures instead.
+    set_session_option(c"default_transaction_isolation", "read committed");
+}
+
+/// A role runner of worker `number`: runs the batch the worker handed over, in this session of
+/// its own, and ends.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
+    let number = argument.value() as i32;
+    start_session(&format!("{} {number}", runner::RUNNER_TYPE));
+    let worker_id = format!("durable_jobs-worker-{number}");
+    let (batch, later, lease_seconds) = runner::take_handoff(number);
+    let leases = in_transaction_or_logged("taking over a batch", || {
+        BackgroundWorker::transaction(|| {
+            if !extension_ready() {
+                return None;
+            }
+            let held = |ids: &[i64]| with_worker_settings(|| lease::held_leases(ids, &worker_id));
+            Some((held(&batch), held(&later)))
+        })
+    });
+    if let Some(Some((batch, later))) = leases {
+        if !batch.is_empty() {
+            run_batch(&batch, &later, &worker_id, lease_seconds);
+        }
+    }
 }
 
 /// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
@@ -124,9 +157,14 @@ fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
     }
 }
 
+thread_local! {
+    /// The role whose handlers this worker's own session runs: that of the first batch it ran.
+    static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs and run them, each in its own
 /// subtransaction, one commit per enqueuing role. Returns whether any job was claimed.
-fn poll_once(worker_id: &str) -> bool {
+fn poll_once(number: i32, worker_id: &str) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let claimed = BackgroundWorker::transaction(|| {
         if !extension_ready() {
@@ -148,9 +186,15 @@ fn poll_once(worker_id: &str) -> bool {
                 metrics::count(Counter::Claimed);
             }
             let batches = batches_per_enqueuer(jobs);
-            for (position, batch) in batches.iter().enumerate() {
-                let later: Vec<(i64, Uuid)> = batches[position + 1..].concat();
-                run_batch(batch, &later, worker_id, lease_seconds);
+            for (position, (role, batch)) in batches.iter().enumerate() {
+                let later: Vec<(i64, Uuid)> =
+                    batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
+                let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
+                if *role == bound {
+                    run_batch(batch, &later, worker_id, lease_seconds);
+                } else {
+                    run_batch_in_runner(number, batch, &later, worker_id, lease_seconds);
+                }
             }
             true
         }
@@ -160,7 +204,7 @@ fn poll_once(worker_id: &str) -> bool {
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
 /// transaction of its own, so that roles never share one: no transaction-level lock, statistic
 /// or rerun of one role's job touches another role's.
-fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<Vec<(i64, Uuid)>> {
+fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i64, Uuid)>)> {
     let mut batches: Vec<(String, Vec<(i64, Uuid)>)> = Vec::new();
     for (enqueuer, job) in jobs {
         match batches.iter_mut().find(|(role, _)| *role == enqueuer) {
@@ -168,7 +212,30 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<Vec<(i64, Uuid)
             None => batches.push((enqueuer, vec![job])),
         }
     }
-    batches.into_iter().map(|(_, batch)| batch).collect()
+    batches
+}
+
+/// Runs a batch of a role other than the worker's own in a role runner. Without a free
+/// background worker slot the batch never starts: its jobs go back to the queue with their
+/// attempts, and the log says why.
+fn run_batch_in_runner(number: i32, batch: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
+    let ids = |jobs: &[(i64, Uuid)]| jobs.iter().map(|(id, _)| *id).collect::<Vec<_>>();
+    match runner::run_in_runner(number, &ids(batch), &ids(later), lease_seconds) {
+        Ok(()) => {}
+        Err(runner::NotRun::Lost) => {
+            log!("{WORKER_TYPE}: lost track of a role runner; its jobs are claimed again when their leases expire")
+        }
+        Err(runner::NotRun::NoSlot) => {
+            log!(
+                "{WORKER_TYPE}: no background worker slot free for a role runner (max_worker_processes); \
+                 {} jobs go back to the queue",
+                batch.len()
+            );
+            in_transaction_or_logged("giving jobs back", || {
+                BackgroundWorker::transaction(|| with_worker_settings(|| lease::release_unstarted(batch, worker_id)))
+            });
+        }
+    }
 }
 
 /// Runs a claimed batch in one transaction. If that transaction fails as a whole (an error

@@ -280,7 +280,10 @@ fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_o
         .batch_execute(
             "CREATE FUNCTION public.a_effect(payload jsonb) RETURNS void LANGUAGE sql
                  AS $$ INSERT INTO public.effects VALUES (payload->>'kind', current_user) $$;
-             SELECT durable_jobs.register_durable_job_handler('a_kind', 'public.a_effect(jsonb)');",
+             SELECT durable_jobs.register_durable_job_handler('a_kind', 'public.a_effect(jsonb)');
+             -- A kind a superuser's external worker serves, registered by app_a with a superuser's
+             -- routine: it must not take the superuser's jobs.
+             SELECT durable_jobs.register_durable_job_handler('admins_kind', 'public.admin_effect(jsonb)');",
         )
         .unwrap();
     // A superuser registers app_a's routine for everyone: a superuser's job, or app_b's, must
@@ -305,12 +308,17 @@ fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_o
     enqueue_as(&mut app_b, "a_routine_for_all");
     enqueue_as(&mut admin, "a_routine_for_all");
     enqueue_as(&mut app_a, "a_routine_for_all");
+    enqueue_as(&mut admin, "a_kind");
+    enqueue_as(&mut admin, "admins_kind");
     wait_until(Duration::from_secs(30), "the runnable jobs to finish", || finished(&mut admin) == 5);
     std::thread::sleep(Duration::from_millis(500));
 
     assert_eq!(outcome_by(&mut admin, "a_kind", "app_a"), ("succeeded".into(), None));
     // app_a's registration does not serve app_b: its job waits for an external worker.
     assert_eq!(outcome_by(&mut admin, "a_kind", "app_b"), ("available".into(), None));
+    // Nor a superuser's, even with a superuser's routine.
+    assert_eq!(outcome_by(&mut admin, "a_kind", "postgres"), ("available".into(), None));
+    assert_eq!(outcome_by(&mut admin, "admins_kind", "postgres"), ("available".into(), None));
     assert_eq!(outcome_by(&mut admin, "admin_routine", "app_b"), ("succeeded".into(), None));
     let rejected = ("failed".to_string(), Some("target_rejected".to_string()));
     assert_eq!(outcome_by(&mut admin, "a_routine_for_all", "app_b"), rejected);
@@ -911,6 +919,73 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
         count(&mut admin, "SELECT count(*) FROM public.effects WHERE what = 'slow'"),
         1,
         "app_a's slow job committed once, with its batch"
+    );
+}
+
+#[test]
+fn what_one_roles_handler_compiles_never_decides_what_another_roles_handler_runs() {
+    // PL/pgSQL compiles a function once per session, resolving its declared types with the
+    // search_path of the first caller ("$user" first). app_a runs a shared function first, with
+    // a domain of its own named like the one the author meant, whose CHECK calls app_a's code;
+    // a superuser's job and app_b's then run the same function. Each role's handlers run in a
+    // session that has run no other role's.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin
+        .batch_execute(
+            "CREATE TABLE public.log (who name DEFAULT current_user, what text);
+             GRANT INSERT ON public.log TO PUBLIC;
+             CREATE SCHEMA app_a AUTHORIZATION app_a;
+             CREATE TABLE public.b_secret (what text);
+             INSERT INTO public.b_secret VALUES ('only app_b may read this');
+             GRANT SELECT ON public.b_secret TO app_b;
+             CREATE DOMAIN public.amount AS integer;
+             CREATE FUNCTION public.shared(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             DECLARE
+                 value amount;
+             BEGIN
+                 value := (payload->>'n')::integer;
+                 INSERT INTO public.log (what) VALUES ('shared ' || value);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('shared', 'public.shared(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "CREATE FUNCTION app_a.capture(value integer) RETURNS boolean LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.log (what) VALUES ('capture ran as ' || current_user);
+                 IF current_user = 'postgres' THEN
+                     EXECUTE 'ALTER ROLE app_a SUPERUSER';
+                 ELSIF current_user = 'app_b' THEN
+                     INSERT INTO public.log (what) SELECT 'stolen: ' || what FROM public.b_secret;
+                 END IF;
+                 RETURN true;
+             END $$;
+             CREATE DOMAIN app_a.amount AS integer CHECK (app_a.capture(VALUE));
+             SELECT durable_jobs.enqueue_durable_job('shared', '{\"n\": 1}');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(20), "app_a's job to finish", || finished(&mut admin) == 1);
+    let mut app_b = cluster.connect_as("app_b");
+    app_b.batch_execute("SELECT durable_jobs.enqueue_durable_job('shared', '{\"n\": 2}')").unwrap();
+    admin.batch_execute("SELECT durable_jobs.enqueue_durable_job('shared', '{\"n\": 3}')").unwrap();
+    wait_until(Duration::from_secs(20), "the three jobs to finish", || finished(&mut admin) == 3);
+    let log: Vec<(String, String)> = admin
+        .query("SELECT who::text, what FROM public.log ORDER BY what", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let (captures, others): (Vec<_>, Vec<_>) = log.into_iter().partition(|(_, what)| what.starts_with("capture"));
+    assert!(!captures.is_empty(), "app_a's own job ran its own domain's check");
+    assert!(captures.iter().all(|(who, what)| who == "app_a" && what == "capture ran as app_a"), "{captures:?}");
+    let expected = [("app_a", "shared 1"), ("app_b", "shared 2"), ("postgres", "shared 3")];
+    assert_eq!(others, expected.map(|(who, what)| (who.to_string(), what.to_string())));
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM pg_roles WHERE rolname = 'app_a' AND rolsuper"), 0);
+    assert_eq!(
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'"),
+        3
     );
 }
 
