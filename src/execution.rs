@@ -39,8 +39,10 @@ const LOAD_JOBS: &str = "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
-    LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
+    -- Per job of the batch: a registration row someone broke by hand fails only its own jobs.
+    LEFT JOIN pg_catalog.pg_proc p ON p.oid = (SELECT pg_catalog.to_regprocedure(h.handler)
+                                               FROM durable_jobs.durable_job_handler h
+                                               WHERE h.job_kind = j.job_kind)
     LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
     LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
     WHERE j.job_state = 'running' AND j.lease_owner = $3";
