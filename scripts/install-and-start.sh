@@ -33,6 +33,8 @@ unix_socket_directories = '/var/run/postgresql'
 shared_preload_libraries = 'durable_jobs'
 durable_jobs.database = 'postgres'
 durable_jobs.worker_enabled = on
+# Room for each worker's role runner beside parallel query and logical replication (runbook).
+max_worker_processes = 16
 CONF
 grep -qs "^include_if_exists = 'durable_jobs.conf'" "$PGDATA/postgresql.conf" ||
     echo "include_if_exists = 'durable_jobs.conf'" | as_postgres tee -a "$PGDATA/postgresql.conf" >/dev/null

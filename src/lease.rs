@@ -177,13 +177,14 @@ const RENEW_BATCH: &str = "
     FROM live WHERE j.job_id = live.job_id
     RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
 
-// The leases `lease_owner` $2 still holds among jobs $1, in the order given: what a role runner
-// takes over from the worker that claimed them.
+// Which of the leases ($1 job ids, $2 tokens) `lease_owner` $3 still holds, in the order given:
+// what a role runner takes over from the worker that claimed them.
 const HELD_LEASES: &str = "
     SELECT j.job_id, j.lease_token
-    FROM pg_catalog.unnest($1::pg_catalog.int8[]) WITH ORDINALITY AS c(job_id, position)
-    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id
-    WHERE j.job_state = 'running' AND j.lease_owner = $2 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         WITH ORDINALITY AS c(job_id, lease_token, position)
+    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
+    WHERE j.job_state = 'running' AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
     ORDER BY c.position";
 
 // Gives claimed jobs that never started back, with their attempt: available again in a second.
@@ -377,11 +378,12 @@ pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -
     })
 }
 
-/// The leases `worker_id` still holds among `job_ids`, in their order.
-pub fn held_leases(job_ids: &[i64], worker_id: &str) -> Vec<(i64, Uuid)> {
+/// The leases among `leases` that `worker_id` still holds, live, in their order.
+pub fn held_leases(leases: &[(i64, Uuid)], worker_id: &str) -> Vec<(i64, Uuid)> {
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            plans::execute(client, HELD_LEASES, &[job_ids.to_vec().into(), worker_id.into()])
+            plans::execute(client, HELD_LEASES, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
                 .collect()
         })

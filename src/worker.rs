@@ -52,6 +52,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{WORKER_TYPE} {number}"));
     wakeup::publish_worker(number);
+    warn_if_runners_may_find_no_slot();
     log!("{WORKER_TYPE} {number} started");
 
     let worker_id = format!("durable_jobs-worker-{number}");
@@ -84,6 +85,24 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     log!("{WORKER_TYPE} {number} stopped");
 }
 
+/// Logs a warning when `max_worker_processes` leaves no sure room for each worker's role runner
+/// beside the workers, parallel query and logical replication, which any role can fill (a
+/// parallel query is enough): a batch of a role other than a worker's own then waits for a slot.
+fn warn_if_runners_may_find_no_slot() {
+    let (processes, parallel) = unsafe { (pg_sys::max_worker_processes, pg_sys::max_parallel_workers) };
+    let replication: i32 = unsafe {
+        let value = pg_sys::GetConfigOption(c"max_logical_replication_workers".as_ptr(), true, false);
+        if value.is_null() { 0 } else { std::ffi::CStr::from_ptr(value).to_str().unwrap_or("0").parse().unwrap_or(0) }
+    };
+    let needed = 2 * settings::WORKER_COUNT.get() + parallel + replication + 1;
+    if processes < needed {
+        warning!(
+            "{WORKER_TYPE}: max_worker_processes = {processes} leaves no sure room for role runners; set it to at \
+             least {needed} (2 x durable_jobs.worker_count + max_parallel_workers + max_logical_replication_workers + 1)"
+        );
+    }
+}
+
 /// Signal handlers, the connection, and the session settings of a worker or a role runner.
 fn start_session(application_name: &str) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
@@ -100,23 +119,31 @@ fn start_session(application_name: &str) {
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
-    let number = argument.value() as i32;
+    let (number, handover) = runner::take_handoff(argument);
     start_session(&format!("{} {number}", runner::RUNNER_TYPE));
-    let worker_id = format!("durable_jobs-worker-{number}");
-    let (batch, later, lease_seconds) = runner::take_handoff(number);
+    let Some(handover) = handover else {
+        log!("{}: started after its worker had handed over another batch; nothing to do", runner::RUNNER_TYPE);
+        return;
+    };
+    let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
     let leases = in_transaction_or_logged("taking over a batch", || {
         BackgroundWorker::transaction(|| {
             if !extension_ready() {
                 return None;
             }
-            let held = |ids: &[i64]| with_worker_settings(|| lease::held_leases(ids, &worker_id));
-            Some((held(&batch), held(&later)))
+            let held = |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
+            Some((held(&handover.batch), held(&handover.later)))
         })
     });
-    if let Some(Some((batch, later))) = leases {
-        if !batch.is_empty() {
-            run_batch(&batch, &later, &worker_id, lease_seconds);
-        }
+    let Some(Some((batch, later))) = leases else { return };
+    // Leases lost before the runner started count as the worker's would.
+    let mut lost = Tally::default();
+    for _ in batch.len()..handover.batch.len() {
+        lost.count(Counter::Stale);
+    }
+    lost.publish();
+    if !batch.is_empty() {
+        run_batch(&batch, &later, &worker_id, handover.lease_seconds);
     }
 }
 
@@ -182,18 +209,18 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
             false
         }
         Some(jobs) => {
-            for _ in &jobs {
-                metrics::count(Counter::Claimed);
-            }
             let batches = batches_per_enqueuer(jobs);
             for (position, (role, batch)) in batches.iter().enumerate() {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
                 let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
+                // Counted as claimed once it runs: a batch given back is claimed again later.
+                let count_claimed = || batch.iter().for_each(|_| metrics::count(Counter::Claimed));
                 if *role == bound {
+                    count_claimed();
                     run_batch(batch, &later, worker_id, lease_seconds);
-                } else {
-                    run_batch_in_runner(number, batch, &later, worker_id, lease_seconds);
+                } else if run_batch_in_runner(number, batch, &later, worker_id, lease_seconds) {
+                    count_claimed();
                 }
             }
             true
@@ -215,15 +242,30 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i
     batches
 }
 
-/// Runs a batch of a role other than the worker's own in a role runner. Without a free
-/// background worker slot the batch never starts: its jobs go back to the queue with their
-/// attempts, and the log says why.
-fn run_batch_in_runner(number: i32, batch: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
-    let ids = |jobs: &[(i64, Uuid)]| jobs.iter().map(|(id, _)| *id).collect::<Vec<_>>();
-    match runner::run_in_runner(number, &ids(batch), &ids(later), lease_seconds) {
-        Ok(()) => {}
+/// Runs a batch of a role other than the worker's own in a role runner; returns whether a runner
+/// took it. Without a free background worker slot the batch never starts: its jobs go back to
+/// the queue with their attempts, and the log says why.
+fn run_batch_in_runner(
+    number: i32,
+    batch: &[(i64, Uuid)],
+    later: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+) -> bool {
+    let mut outcome = Ok(());
+    for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
+        let after = ((part + 1) * runner::HANDOFF_JOBS).min(batch.len());
+        let following: Vec<(i64, Uuid)> = batch[after..].iter().chain(later).copied().collect();
+        outcome = runner::run_in_runner(number, leases, &following, lease_seconds);
+        if outcome.is_err() {
+            break;
+        }
+    }
+    match outcome {
+        Ok(()) => true,
         Err(runner::NotRun::Lost) => {
-            log!("{WORKER_TYPE}: lost track of a role runner; its jobs are claimed again when their leases expire")
+            log!("{WORKER_TYPE}: lost track of a role runner; its jobs are claimed again when their leases expire");
+            true
         }
         Err(runner::NotRun::NoSlot) => {
             log!(
@@ -234,6 +276,7 @@ fn run_batch_in_runner(number: i32, batch: &[(i64, Uuid)], later: &[(i64, Uuid)]
             in_transaction_or_logged("giving jobs back", || {
                 BackgroundWorker::transaction(|| with_worker_settings(|| lease::release_unstarted(batch, worker_id)))
             });
+            false
         }
     }
 }

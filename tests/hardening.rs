@@ -982,6 +982,37 @@ fn what_one_roles_handler_compiles_never_decides_what_another_roles_handler_runs
 }
 
 #[test]
+fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
+    // Room for the worker only: app_a's job binds it; app_b's batch needs a role runner, finds no
+    // slot, and goes back to the queue again and again, never losing an attempt or counting as
+    // claimed, while app_a's jobs go on.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!("{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\n"));
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('note', 'public.note(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    enqueue(&mut app_b, "note");
+    std::thread::sleep(Duration::from_millis(2500));
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's second job", || finished(&mut admin) == 2);
+    let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");
+    assert!(matches!(state.as_str(), "available" | "running") && code.is_none() && attempts <= 1, "{state} {code:?} {attempts}");
+    assert_eq!(metric(&mut admin, "claimed"), 2, "only the jobs that ran count as claimed");
+    let log = cluster.server_log();
+    assert!(log.contains("no background worker slot free for a role runner"), "{log}");
+    assert!(log.contains("leaves no sure room for role runners"), "the worker warned at start");
+}
+
+#[test]
 fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_are_not_retried() {
     let (cluster, mut admin) =
         cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
