@@ -114,37 +114,35 @@ fn start_session(application_name: &str) {
     set_session_option(c"default_transaction_isolation", "read committed");
 }
 
-/// A role runner of worker `number`: runs the batch the worker handed over, in this session of
-/// its own, and ends.
+/// A role runner of worker `number`: runs the batches of one role the worker hands over, in this
+/// session of its own, until it is retired or idle (see `runner`).
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
-    let (number, handover) = runner::take_handoff(argument);
+    let number = argument.value() as i32;
     start_session(&format!("{} {number}", runner::RUNNER_TYPE));
-    let Some(handover) = handover else {
-        log!("{}: started after its worker had handed over another batch; nothing to do", runner::RUNNER_TYPE);
-        return;
-    };
-    let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
-    let leases = in_transaction_or_logged("taking over a batch", || {
-        BackgroundWorker::transaction(|| {
-            if !extension_ready() {
-                return None;
-            }
-            let held = |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
-            Some((held(&handover.batch), held(&handover.later)))
-        })
+    runner::serve_handovers(number, |handover| {
+        let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
+        let leases = in_transaction_or_logged("taking over a batch", || {
+            BackgroundWorker::transaction(|| {
+                if !extension_ready() {
+                    return None;
+                }
+                let held = |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
+                Some((held(&handover.batch), held(&handover.later)))
+            })
+        });
+        let Some(Some((batch, later))) = leases else { return };
+        // Leases lost before the runner took them count as the worker's would.
+        let mut lost = Tally::default();
+        for _ in batch.len()..handover.batch.len() {
+            lost.count(Counter::Stale);
+        }
+        lost.publish();
+        if !batch.is_empty() {
+            run_batch(&batch, &later, &worker_id, handover.lease_seconds);
+        }
     });
-    let Some(Some((batch, later))) = leases else { return };
-    // Leases lost before the runner started count as the worker's would.
-    let mut lost = Tally::default();
-    for _ in batch.len()..handover.batch.len() {
-        lost.count(Counter::Stale);
-    }
-    lost.publish();
-    if !batch.is_empty() {
-        run_batch(&batch, &later, &worker_id, handover.lease_seconds);
-    }
 }
 
 /// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
@@ -219,7 +217,7 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
                 if *role == bound {
                     count_claimed();
                     run_batch(batch, &later, worker_id, lease_seconds);
-                } else if run_batch_in_runner(number, batch, &later, worker_id, lease_seconds) {
+                } else if run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds) {
                     count_claimed();
                 }
             }
@@ -247,6 +245,7 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i
 /// the queue with their attempts, and the log says why.
 fn run_batch_in_runner(
     number: i32,
+    role: &str,
     batch: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     worker_id: &str,
@@ -256,7 +255,7 @@ fn run_batch_in_runner(
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
         let after = ((part + 1) * runner::HANDOFF_JOBS).min(batch.len());
         let following: Vec<(i64, Uuid)> = batch[after..].iter().chain(later).copied().collect();
-        outcome = runner::run_in_runner(number, leases, &following, lease_seconds);
+        outcome = runner::run_in_runner(number, role, leases, &following, lease_seconds);
         if outcome.is_err() {
             break;
         }
