@@ -22,7 +22,7 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The most leases one hand-over carries (the area is built on the postmaster's stack at start,
@@ -41,12 +41,15 @@ const RUNNER_IDLE_LIMIT: Duration = Duration::from_secs(10);
 /// Worker N's hand-overs to its runner. The worker writes a hand-over only while no runner works
 /// on one (it waits for `done`), then publishes it by raising `generation`.
 pub struct Handoff {
+    /// A sequence lock over the fields below it: odd while the worker writes them.
+    sequence: AtomicU64,
     generation: AtomicU64,
     /// The latest generation a runner took (only one runner can take each), and finished.
     taken: AtomicU64,
     done: AtomicU64,
-    /// Set by the worker to retire its runner.
-    quit: AtomicBool,
+    /// The pid of the runner the worker retires (a pid, so that a value left by a worker that
+    /// died while retiring cannot end a later runner).
+    retire_pid: AtomicI32,
     worker_pid: AtomicI32,
     worker_procno: AtomicI32,
     /// `pgprocno + 1` of the running runner; 0 when none.
@@ -63,10 +66,11 @@ pub struct Handoff {
 impl Default for Handoff {
     fn default() -> Self {
         Handoff {
+            sequence: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             taken: AtomicU64::new(0),
             done: AtomicU64::new(0),
-            quit: AtomicBool::new(false),
+            retire_pid: AtomicI32::new(0),
             worker_pid: AtomicI32::new(0),
             worker_procno: AtomicI32::new(0),
             runner_procno: AtomicI32::new(0),
@@ -137,7 +141,8 @@ fn sleep_on_latch(timeout: Duration) {
 
 /// Why a batch could not be handed to a runner.
 pub enum NotRun {
-    /// No background worker slot was free (`max_worker_processes`).
+    /// No runner could start: no background worker slot was free (`max_worker_processes`), or
+    /// runners ended at start (connections refused, say) several times in a row.
     NoSlot,
     /// The runner ended while it worked on the batch; its leases expire.
     Lost,
@@ -170,24 +175,33 @@ fn start_runner(number: i32) -> Result<DynamicBackgroundWorker, NotRun> {
 pub fn retire_runner(number: i32) {
     if let Some((runner, _)) = RUNNER.with(|slot| slot.borrow_mut().take()) {
         let handoff = handoff_of(number);
-        handoff.quit.store(true, Ordering::SeqCst);
-        set_latch_of(handoff.runner_procno.load(Ordering::Acquire));
+        if let Ok(pid) = runner.pid() {
+            handoff.retire_pid.store(pid, Ordering::SeqCst);
+            set_latch_of(handoff.runner_procno.load(Ordering::Acquire));
+        }
         let _ = runner.wait_for_shutdown();
-        handoff.quit.store(false, Ordering::SeqCst);
     }
 }
 
+/// Runners that may end at start in a row before the worker gives the batch back.
+const RUNNER_START_ATTEMPTS: u32 = 3;
+
 /// Runs `batch` (leases of `role`'s jobs, in claim order) in this worker's runner for `role`,
-/// with `later` (the claim's leases still to run after it), and waits until it is done.
+/// with `later` (the claim's leases still to run after it), and waits until it is done, calling
+/// `renew` every `renew_every` meanwhile (the worker renews what the hand-over could not carry).
 pub fn run_in_runner(
     number: i32,
     role: &str,
     batch: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     lease_seconds: i32,
+    renew_every: Duration,
+    mut renew: impl FnMut(),
 ) -> Result<(), NotRun> {
     let handoff = handoff_of(number);
     let leases: Vec<(i64, Uuid)> = batch.iter().chain(later).copied().take(HANDOFF_JOBS).collect();
+    handoff.sequence.fetch_add(1, Ordering::SeqCst);
+    std::sync::atomic::fence(Ordering::Release);
     for (index, (job_id, token)) in leases.iter().enumerate() {
         handoff.job_ids[index].store(*job_id, Ordering::Relaxed);
         let bytes = token.as_bytes();
@@ -204,7 +218,8 @@ pub fn run_in_runner(
     handoff.worker_pid.store(unsafe { pg_sys::MyProcPid }, Ordering::Relaxed);
     handoff.worker_procno.store(my_procno_plus_one(), Ordering::Relaxed);
     let generation = handoff.generation.load(Ordering::Relaxed) + 1;
-    handoff.generation.store(generation, Ordering::Release);
+    handoff.generation.store(generation, Ordering::Relaxed);
+    handoff.sequence.fetch_add(1, Ordering::Release);
 
     // The runner bound to this role, if it is still there; else a new one.
     let current = RUNNER.with(|slot| slot.borrow_mut().take());
@@ -225,6 +240,8 @@ pub fn run_in_runner(
             start_runner(number)?
         }
     };
+    let mut starts = 1;
+    let mut last_renewal = Instant::now();
     loop {
         if handoff.done.load(Ordering::Acquire) >= generation {
             RUNNER.with(|slot| *slot.borrow_mut() = Some((runner, role.to_owned())));
@@ -234,8 +251,17 @@ pub fn run_in_runner(
             if handoff.taken.load(Ordering::Acquire) >= generation {
                 return Err(NotRun::Lost);
             }
-            // It ended (idle) before it took this batch: a new runner takes it.
+            // It ended before it took this batch (idle just then, or refused at start): a new
+            // runner takes it, a few times at most.
+            if starts >= RUNNER_START_ATTEMPTS {
+                return Err(NotRun::NoSlot);
+            }
+            starts += 1;
             runner = start_runner(number)?;
+        }
+        if last_renewal.elapsed() >= renew_every {
+            renew();
+            last_renewal = Instant::now();
         }
         sleep_on_latch(Duration::from_millis(100));
     }
@@ -252,21 +278,32 @@ pub struct Handover {
 /// A runner's side: waits for hand-overs of worker `number` and gives each to `run`, as long as
 /// they come from the worker process and for the role of its first one; ends when retired, when
 /// idle for a while, or at the first hand-over not its own.
-pub fn serve_handovers(number: i32, mut run: impl FnMut(Handover)) {
+pub fn serve_handovers(number: i32, mut reload_settings: impl FnMut(), mut run: impl FnMut(Handover)) {
     let handoff = handoff_of(number);
-    handoff.runner_procno.store(my_procno_plus_one(), Ordering::Release);
+    let me = my_procno_plus_one();
+    handoff.runner_procno.store(me, Ordering::Release);
+    // Also when the runner ends by FATAL: the worker must not wake a process that is gone.
+    unsafe extern "C-unwind" fn forget_me(_code: std::ffi::c_int, number: pg_sys::Datum) {
+        let handoff = handoff_of(number.value() as i32);
+        let _ = handoff.runner_procno.compare_exchange(my_procno_plus_one(), 0, Ordering::AcqRel, Ordering::Relaxed);
+        // The worker may be waiting on a hand-over this runner did not take: it looks again.
+        set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
+    }
+    unsafe { pg_sys::before_shmem_exit(Some(forget_me), pg_sys::Datum::from(number as usize)) };
+    let my_pid = unsafe { pg_sys::MyProcPid };
     let mut bound: Option<(i32, [u64; ROLE_WORDS])> = None;
     let mut idle_since = Instant::now();
     loop {
-        if handoff.quit.load(Ordering::SeqCst) {
+        if handoff.retire_pid.load(Ordering::SeqCst) == my_pid {
             break;
         }
-        let generation = handoff.generation.load(Ordering::Acquire);
+        reload_settings();
+        let Some((generation, owner, handover)) = read_consistently(number, handoff) else {
+            // The worker is writing a hand-over just now.
+            sleep_on_latch(Duration::from_millis(1));
+            continue;
+        };
         if generation > handoff.done.load(Ordering::Acquire) && generation > handoff.taken.load(Ordering::Acquire) {
-            let owner = (
-                handoff.worker_pid.load(Ordering::Relaxed),
-                std::array::from_fn(|word| handoff.role[word].load(Ordering::Relaxed)),
-            );
             if bound.is_some_and(|bound| bound != owner) {
                 // Another role's batch, or another worker process's: not for this session.
                 break;
@@ -275,8 +312,8 @@ pub fn serve_handovers(number: i32, mut run: impl FnMut(Handover)) {
                 continue;
             }
             bound = Some(owner);
-            run(read_handover(number, handoff));
-            handoff.done.store(generation, Ordering::Release);
+            run(handover);
+            handoff.done.fetch_max(generation, Ordering::AcqRel);
             set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
             idle_since = Instant::now();
             continue;
@@ -286,9 +323,28 @@ pub fn serve_handovers(number: i32, mut run: impl FnMut(Handover)) {
         }
         sleep_on_latch(Duration::from_secs(1));
     }
-    handoff.runner_procno.store(0, Ordering::Release);
-    // The worker may be waiting on a hand-over this runner did not take: it looks again.
-    set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
+}
+
+/// The current hand-over (generation, owner, contents) as one consistent snapshot; None while
+/// the worker writes it.
+fn read_consistently(number: i32, handoff: &Handoff) -> Option<(u64, (i32, [u64; ROLE_WORDS]), Handover)> {
+    let before = handoff.sequence.load(Ordering::Acquire);
+    if before % 2 == 1 {
+        return None;
+    }
+    let generation = handoff.generation.load(Ordering::Relaxed);
+    let owner = read_owner(handoff);
+    let handover = read_handover(number, handoff);
+    std::sync::atomic::fence(Ordering::Acquire);
+    (handoff.sequence.load(Ordering::Relaxed) == before).then_some((generation, owner, handover))
+}
+
+/// Which worker process and role the current hand-over is from.
+fn read_owner(handoff: &Handoff) -> (i32, [u64; ROLE_WORDS]) {
+    (
+        handoff.worker_pid.load(Ordering::Relaxed),
+        std::array::from_fn(|word| handoff.role[word].load(Ordering::Relaxed)),
+    )
 }
 
 fn read_handover(number: i32, handoff: &Handoff) -> Handover {

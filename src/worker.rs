@@ -121,7 +121,12 @@ fn start_session(application_name: &str) {
 pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{} {number}", runner::RUNNER_TYPE));
-    runner::serve_handovers(number, |handover| {
+    let reload_settings = || {
+        if BackgroundWorker::sighup_received() {
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+    };
+    runner::serve_handovers(number, reload_settings, |handover| {
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
@@ -212,14 +217,14 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
                 let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
-                // Counted as claimed once it runs: a batch given back is claimed again later.
-                let count_claimed = || batch.iter().for_each(|_| metrics::count(Counter::Claimed));
-                if *role == bound {
-                    count_claimed();
+                // Counted as claimed once it runs: a job given back is claimed again later.
+                let taken = if *role == bound {
                     run_batch(batch, &later, worker_id, lease_seconds);
-                } else if run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds) {
-                    count_claimed();
-                }
+                    batch.len()
+                } else {
+                    run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds)
+                };
+                (0..taken).for_each(|_| metrics::count(Counter::Claimed));
             }
             true
         }
@@ -240,9 +245,11 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i
     batches
 }
 
-/// Runs a batch of a role other than the worker's own in a role runner; returns whether a runner
-/// took it. Without a free background worker slot the batch never starts: its jobs go back to
-/// the queue with their attempts, and the log says why.
+/// Runs a batch of a role other than the worker's own in its role runner, in parts of what one
+/// hand-over carries; returns how many of its jobs a runner took. While it waits, the worker
+/// renews the leases of the claim's jobs still to run (a hand-over carries only so many). A part
+/// that no runner could take goes back to the queue with its attempts, with the parts after it;
+/// the log says why.
 fn run_batch_in_runner(
     number: i32,
     role: &str,
@@ -250,33 +257,46 @@ fn run_batch_in_runner(
     later: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
-) -> bool {
-    let mut outcome = Ok(());
+) -> usize {
+    let renew_every = Duration::from_secs((lease_seconds / 3).max(1) as u64);
+    let mut taken = 0;
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
-        let after = ((part + 1) * runner::HANDOFF_JOBS).min(batch.len());
-        let following: Vec<(i64, Uuid)> = batch[after..].iter().chain(later).copied().collect();
-        outcome = runner::run_in_runner(number, role, leases, &following, lease_seconds);
-        if outcome.is_err() {
-            break;
+        let start = part * runner::HANDOFF_JOBS;
+        let following: Vec<(i64, Uuid)> = batch[start + leases.len()..].iter().chain(later).copied().collect();
+        let pending: Vec<(i64, Uuid)> = batch[start..].iter().chain(later).copied().collect();
+        let renew = || {
+            in_transaction_or_logged("renewing leases", || {
+                BackgroundWorker::transaction(|| with_worker_settings(|| lease::renew_leases(&pending, worker_id, lease_seconds)))
+            });
+        };
+        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew_every, renew) {
+            Ok(()) => taken += leases.len(),
+            Err(runner::NotRun::Lost) => {
+                log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
+                taken += leases.len();
+                give_back(&batch[start + leases.len()..], worker_id);
+                return taken;
+            }
+            Err(runner::NotRun::NoSlot) => {
+                log!(
+                    "{WORKER_TYPE}: no role runner could start (no background worker slot free, see \
+                     max_worker_processes, or it ended at start); {} jobs go back to the queue",
+                    batch.len() - start
+                );
+                give_back(&batch[start..], worker_id);
+                return taken;
+            }
         }
     }
-    match outcome {
-        Ok(()) => true,
-        Err(runner::NotRun::Lost) => {
-            log!("{WORKER_TYPE}: lost track of a role runner; its jobs are claimed again when their leases expire");
-            true
-        }
-        Err(runner::NotRun::NoSlot) => {
-            log!(
-                "{WORKER_TYPE}: no background worker slot free for a role runner (max_worker_processes); \
-                 {} jobs go back to the queue",
-                batch.len()
-            );
-            in_transaction_or_logged("giving jobs back", || {
-                BackgroundWorker::transaction(|| with_worker_settings(|| lease::release_unstarted(batch, worker_id)))
-            });
-            false
-        }
+    taken
+}
+
+/// Gives claimed jobs that never started back to the queue, with their attempts.
+fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
+    if !jobs.is_empty() {
+        in_transaction_or_logged("giving jobs back", || {
+            BackgroundWorker::transaction(|| with_worker_settings(|| lease::release_unstarted(jobs, worker_id)))
+        });
     }
 }
 

@@ -1008,8 +1008,42 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     assert!(matches!(state.as_str(), "available" | "running") && code.is_none() && attempts <= 1, "{state} {code:?} {attempts}");
     assert_eq!(metric(&mut admin, "claimed"), 2, "only the jobs that ran count as claimed");
     let log = cluster.server_log();
-    assert!(log.contains("no background worker slot free for a role runner"), "{log}");
+    assert!(log.contains("no role runner could start"), "{log}");
     assert!(log.contains("leaves no sure room for role runners"), "the worker warned at start");
+}
+
+#[test]
+fn a_large_batch_of_another_role_keeps_every_lease_until_it_runs() {
+    // app_a's job binds the worker; then one claim takes 600 of app_b's jobs (one attempt each),
+    // more than one hand-over to the role runner carries and longer to run than a lease.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 1000\ndurable_jobs.lease_duration = 3\n"
+    ));
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep(0.01); INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    enqueue(&mut app_a, "work");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.batch_execute("SELECT durable_jobs.pause_durable_job_queue('default')").unwrap();
+    let mut app_b = cluster.connect_as("app_b");
+    app_b
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('work', '{}', max_attempts => 1) FROM generate_series(1, 600)")
+        .unwrap();
+    admin.batch_execute("SELECT durable_jobs.resume_durable_job_queue('default')").unwrap();
+    wait_until(Duration::from_secs(120), "app_b's 600 jobs to finish", || finished(&mut admin) == 601);
+    assert_eq!(
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'"),
+        601,
+        "no job ended lease_expired"
+    );
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 600);
 }
 
 #[test]
