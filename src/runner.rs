@@ -187,19 +187,38 @@ pub fn retire_runner(number: i32) {
 const RUNNER_START_ATTEMPTS: u32 = 3;
 
 /// Runs `batch` (leases of `role`'s jobs, in claim order) in this worker's runner for `role`,
-/// with `later` (the claim's leases still to run after it), and waits until it is done, calling
-/// `renew` every `renew_every` meanwhile (the worker renews what the hand-over could not carry).
+/// with `later` (the claim's leases still to run after it), and waits until it is done. The
+/// hand-over carries at most `HANDOFF_JOBS` leases; meanwhile `renew` is called for the leases
+/// of `later` it could not carry whenever `renewal` says one is due.
 pub fn run_in_runner(
     number: i32,
     role: &str,
     batch: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     lease_seconds: i32,
-    renew_every: Duration,
-    mut renew: impl FnMut(),
+    renewal: &mut Renewal,
+    mut renew: impl FnMut(&[(i64, Uuid)]),
 ) -> Result<(), NotRun> {
     let handoff = handoff_of(number);
-    let leases: Vec<(i64, Uuid)> = batch.iter().chain(later).copied().take(HANDOFF_JOBS).collect();
+    if let Some(wait) = START_BACKOFF.with(|backoff| backoff.borrow().wait()) {
+        // Runners kept ending at start lately: not again before the back-off is over.
+        sleep_on_latch(wait.min(Duration::from_millis(100)));
+        return Err(NotRun::NoSlot);
+    }
+    // Decided before the hand-over is published, so that no runner of another role is still
+    // there to take it.
+    let current = RUNNER.with(|slot| slot.borrow_mut().take());
+    let kept = match current {
+        Some((runner, bound)) if bound == role && is_running(&runner) => Some(runner),
+        other => {
+            RUNNER.with(|slot| *slot.borrow_mut() = other);
+            retire_runner(number);
+            None
+        }
+    };
+    let carried = HANDOFF_JOBS.min(batch.len() + later.len());
+    let leases: Vec<(i64, Uuid)> = batch.iter().chain(later).copied().take(carried).collect();
+    let uncarried = &later[(carried - batch.len().min(carried)).min(later.len())..];
     handoff.sequence.fetch_add(1, Ordering::SeqCst);
     std::sync::atomic::fence(Ordering::Release);
     for (index, (job_id, token)) in leases.iter().enumerate() {
@@ -221,29 +240,17 @@ pub fn run_in_runner(
     handoff.generation.store(generation, Ordering::Relaxed);
     handoff.sequence.fetch_add(1, Ordering::Release);
 
-    // The runner bound to this role, if it is still there; else a new one.
-    let current = RUNNER.with(|slot| slot.borrow_mut().take());
-    let kept = match current {
-        Some((runner, bound)) if bound == role && is_running(&runner) => Some(runner),
-        other => {
-            RUNNER.with(|slot| *slot.borrow_mut() = other);
-            None
-        }
-    };
     let mut runner = match kept {
         Some(runner) => {
             set_latch_of(handoff.runner_procno.load(Ordering::Acquire));
             runner
         }
-        None => {
-            retire_runner(number);
-            start_runner(number)?
-        }
+        None => start_runner(number)?,
     };
     let mut starts = 1;
-    let mut last_renewal = Instant::now();
     loop {
         if handoff.done.load(Ordering::Acquire) >= generation {
+            START_BACKOFF.with(|backoff| backoff.borrow_mut().reset());
             RUNNER.with(|slot| *slot.borrow_mut() = Some((runner, role.to_owned())));
             return Ok(());
         }
@@ -252,19 +259,70 @@ pub fn run_in_runner(
                 return Err(NotRun::Lost);
             }
             // It ended before it took this batch (idle just then, or refused at start): a new
-            // runner takes it, a few times at most.
+            // runner takes it, a few times at most, and later ones wait a growing while.
             if starts >= RUNNER_START_ATTEMPTS {
+                START_BACKOFF.with(|backoff| backoff.borrow_mut().lengthen());
                 return Err(NotRun::NoSlot);
             }
             starts += 1;
             runner = start_runner(number)?;
         }
-        if last_renewal.elapsed() >= renew_every {
-            renew();
-            last_renewal = Instant::now();
+        if renewal.is_due() && !uncarried.is_empty() {
+            renew(uncarried);
+            renewal.done();
         }
-        sleep_on_latch(Duration::from_millis(100));
+        // A query cancel means nothing to the worker; a terminate still ends it here.
+        unsafe { pg_sys::QueryCancelPending = 0 };
+        sleep_on_latch(Duration::from_millis(50));
     }
+}
+
+/// When the worker last renewed the leases a hand-over could not carry, across the parts of a
+/// batch; due every third of a lease.
+pub struct Renewal {
+    every: Duration,
+    last: Instant,
+}
+
+impl Renewal {
+    pub fn new(lease_seconds: i32) -> Renewal {
+        let every = Duration::from_millis((i64::from(lease_seconds) * 1000 / 3).max(100) as u64);
+        Renewal { every, last: Instant::now() }
+    }
+
+    fn is_due(&self) -> bool {
+        self.last.elapsed() >= self.every
+    }
+
+    fn done(&mut self) {
+        self.last = Instant::now();
+    }
+}
+
+/// A growing wait before the next runner start after runners kept ending at start.
+#[derive(Default)]
+struct StartBackoff {
+    until: Option<Instant>,
+    length: Duration,
+}
+
+impl StartBackoff {
+    fn wait(&self) -> Option<Duration> {
+        self.until.and_then(|until| until.checked_duration_since(Instant::now()))
+    }
+
+    fn lengthen(&mut self) {
+        self.length = (self.length * 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        self.until = Some(Instant::now() + self.length);
+    }
+
+    fn reset(&mut self) {
+        *self = StartBackoff::default();
+    }
+}
+
+thread_local! {
+    static START_BACKOFF: RefCell<StartBackoff> = RefCell::new(StartBackoff::default());
 }
 
 /// A batch a runner took.

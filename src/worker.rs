@@ -258,18 +258,17 @@ fn run_batch_in_runner(
     worker_id: &str,
     lease_seconds: i32,
 ) -> usize {
-    let renew_every = Duration::from_secs((lease_seconds / 3).max(1) as u64);
+    let mut renewal = runner::Renewal::new(lease_seconds);
     let mut taken = 0;
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
         let start = part * runner::HANDOFF_JOBS;
         let following: Vec<(i64, Uuid)> = batch[start + leases.len()..].iter().chain(later).copied().collect();
-        let pending: Vec<(i64, Uuid)> = batch[start..].iter().chain(later).copied().collect();
-        let renew = || {
+        let renew = |uncarried: &[(i64, Uuid)]| {
             in_transaction_or_logged("renewing leases", || {
-                BackgroundWorker::transaction(|| with_worker_settings(|| lease::renew_leases(&pending, worker_id, lease_seconds)))
+                BackgroundWorker::transaction(|| with_worker_settings(|| lease::renew_leases(uncarried, worker_id, lease_seconds)))
             });
         };
-        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew_every, renew) {
+        match runner::run_in_runner(number, role, leases, &following, lease_seconds, &mut renewal, renew) {
             Ok(()) => taken += leases.len(),
             Err(runner::NotRun::Lost) => {
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
