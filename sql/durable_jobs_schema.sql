@@ -37,6 +37,11 @@ CREATE TABLE durable_jobs.durable_job (
     created_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
     updated_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
     finished_at       pg_catalog.timestamptz,
+    -- Moves up by one on every change of state or lease (not on a lease extension): an ETag.
+    state_version     pg_catalog.int8 NOT NULL DEFAULT 1,
+    -- The SQLSTATE of the handler error behind the last failure the background worker recorded.
+    last_failure_sqlstate pg_catalog.text,
+    replay_count      pg_catalog.int4 NOT NULL DEFAULT 0,
 
     CONSTRAINT durable_job_state_known CHECK (
         job_state IN ('available', 'running', 'succeeded', 'failed', 'cancelled')),
@@ -58,8 +63,13 @@ CREATE TABLE durable_jobs.durable_job (
         last_failure_code IS NULL OR last_failure_code IN (
             'invalid_request', 'integrity_violation', 'target_rejected',
             'target_unavailable', 'unexpected_failure', 'lease_expired')),
+    -- Every job enqueued since 0.4.0 has a fingerprint (replay compares against it); a keyed
+    -- job always had one.
     CONSTRAINT durable_job_key_has_fingerprint CHECK (
-        (idempotency_key IS NULL) = (payload_sha256 IS NULL))
+        idempotency_key IS NULL OR payload_sha256 IS NOT NULL),
+    CONSTRAINT durable_job_status_fields_valid CHECK (
+        state_version >= 1 AND replay_count >= 0
+        AND (last_failure_sqlstate IS NULL OR pg_catalog.octet_length(last_failure_sqlstate) = 5))
 );
 
 COMMENT ON TABLE durable_jobs.durable_job IS
@@ -79,6 +89,14 @@ CREATE INDEX durable_job_claim_order_idx
 CREATE INDEX durable_job_lease_expiry_idx
     ON durable_jobs.durable_job (lease_expires_at)
     WHERE job_state = 'running';
+
+-- Keyset pages of list_durable_jobs, newest first: one index range per state, with and
+-- without a queue, so that a page reads about one page of entries however deep it is and
+-- however rare the state.
+CREATE INDEX durable_job_state_listing_idx
+    ON durable_jobs.durable_job (job_state, job_id);
+CREATE INDEX durable_job_queue_listing_idx
+    ON durable_jobs.durable_job (queue_name, job_state, job_id);
 
 -- Finished jobs by age, for the retention pruning of the background workers.
 CREATE INDEX durable_job_finished_idx
@@ -117,3 +135,4 @@ CREATE TRIGGER durable_job_clear_terminal_payload
     FOR EACH ROW
     WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled'))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();
+

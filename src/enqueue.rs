@@ -3,13 +3,15 @@
 
 use crate::arguments;
 use crate::plans;
-use crate::privilege::{as_extension_owner, caller};
+use crate::privilege::{as_extension_owner_of, caller, Installed};
 use crate::sql_types::{JsonbArray, JsonbDatum};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 // The fingerprint is kept after the payload is cleared, so a finished job still recognises a
-// repeated enqueue. jsonb's text form is canonical (key order, whitespace), so equal values match.
+// repeated enqueue, and a replay its payload. jsonb's text form is canonical (key order,
+// whitespace), so equal values match. $9: fingerprint every payload (schemas from 0.4.0 on);
+// before, only keyed ones had one.
 // Keys are unique per queue and enqueuing role, so one role learns nothing of another's jobs.
 // No conflict target: the same statement works against the 0.2.0 index (per queue), which a
 // database keeps until ALTER EXTENSION durable_jobs UPDATE.
@@ -18,7 +20,7 @@ const INSERT_JOB: &str = "
         (queue_name, job_kind, payload, idempotency_key, payload_sha256,
          priority, run_after, max_attempts, enqueued_by)
     VALUES ($1, $2, $3, $4,
-            CASE WHEN $4 IS NULL THEN NULL
+            CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
                  ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
             $5, $6, $7, $8::pg_catalog.name)
     ON CONFLICT DO NOTHING
@@ -35,12 +37,14 @@ const FIND_BY_KEY: &str = "
     LIMIT 1";
 
 // Identity values follow insertion order, and rows are inserted in array order, so sorting by
-// job_id returns the ids in the order of the payloads.
+// job_id returns the ids in the order of the payloads. $8 as $9 of INSERT_JOB.
 const INSERT_JOBS: &str = "
     WITH inserted AS (
         INSERT INTO durable_jobs.durable_job
-            (queue_name, job_kind, payload, priority, run_after, max_attempts, enqueued_by)
-        SELECT $1, $2, p.payload, $4, $5, $6, $7::pg_catalog.name
+            (queue_name, job_kind, payload, payload_sha256, priority, run_after, max_attempts, enqueued_by)
+        SELECT $1, $2, p.payload,
+               CASE WHEN $8 THEN pg_catalog.sha256(pg_catalog.convert_to(p.payload::pg_catalog.text, 'UTF8')) END,
+               $4, $5, $6, $7::pg_catalog.name
         FROM pg_catalog.unnest($3::pg_catalog.jsonb[]) WITH ORDINALITY AS p(payload, position)
         ORDER BY p.position
         RETURNING job_id)
@@ -70,13 +74,7 @@ impl JobTemplate {
         max_attempts: Option<i32>,
         priority: Option<i32>,
     ) -> JobTemplate {
-        if !crate::settings::INTAKE_ENABLED.get() {
-            ereport!(
-                ERROR,
-                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-                "job intake is disabled (durable_jobs.intake_enabled = off)"
-            );
-        }
+        require_intake_enabled();
         JobTemplate {
             job_kind: arguments::name(job_kind, "job_kind"),
             queue_name: arguments::name(queue_name, "queue_name"),
@@ -88,7 +86,13 @@ impl JobTemplate {
     }
 
     /// Inserts one job, or returns the job already holding `idempotency_key`.
-    fn insert_one(&self, client: &mut SpiClient, payload: JsonbDatum, idempotency_key: Option<&str>) -> i64 {
+    fn insert_one(
+        &self,
+        client: &mut SpiClient,
+        installed: Installed,
+        payload: JsonbDatum,
+        idempotency_key: Option<&str>,
+    ) -> i64 {
         let args = [
             self.queue_name.as_str().into(),
             self.job_kind.as_str().into(),
@@ -98,6 +102,7 @@ impl JobTemplate {
             self.run_after.into(),
             self.max_attempts.into(),
             self.enqueued_by.as_str().into(),
+            installed.has_status_api.into(),
         ];
         let inserted = plans::execute(client, INSERT_JOB, &args);
         if !inserted.is_empty() {
@@ -137,19 +142,29 @@ impl JobTemplate {
     }
 }
 
-fn payload_too_large(size: usize) -> bool {
-    size > crate::settings::MAX_PAYLOAD_SIZE.get() as usize * 1024
+/// 55000 while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
+pub fn require_intake_enabled() {
+    if !crate::settings::INTAKE_ENABLED.get() {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "job intake is disabled (durable_jobs.intake_enabled = off)"
+        );
+    }
 }
 
-fn reject_large_payload() -> ! {
-    ereport!(
-        ERROR,
-        PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
-        format!(
-            "payload is larger than durable_jobs.max_payload_size ({} kB)",
-            crate::settings::MAX_PAYLOAD_SIZE.get()
-        )
-    );
+/// 54000 for a payload (of `size` bytes, decompressed) over `durable_jobs.max_payload_size`.
+pub fn check_payload_size(size: usize) {
+    if size > crate::settings::MAX_PAYLOAD_SIZE.get() as usize * 1024 {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            format!(
+                "payload is larger than durable_jobs.max_payload_size ({} kB)",
+                crate::settings::MAX_PAYLOAD_SIZE.get()
+            )
+        );
+    }
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -166,11 +181,9 @@ fn enqueue_durable_job(
     let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
     let payload = arguments::required(payload, "payload");
     let idempotency_key = arguments::idempotency_key(idempotency_key);
-    if payload_too_large(payload.raw_size()) {
-        reject_large_payload();
-    }
-    let job_id = as_extension_owner(|| {
-        Spi::connect_mut(|client| template.insert_one(client, payload, idempotency_key.as_deref()))
+    check_payload_size(payload.raw_size());
+    let job_id = as_extension_owner_of(|installed| {
+        Spi::connect_mut(|client| template.insert_one(client, installed, payload, idempotency_key.as_deref()))
     });
     crate::wakeup::wake_workers_at_commit();
     job_id
@@ -196,9 +209,7 @@ fn enqueue_durable_jobs(
     if nulls > 0 {
         arguments::null_value("each element of payloads");
     }
-    if payload_too_large(largest as usize) {
-        reject_large_payload();
-    }
+    check_payload_size(largest as usize);
     let keys = idempotency_keys.map(|keys| {
         if keys.len() as i64 != elements {
             arguments::invalid("idempotency_keys must be NULL or have one element per payload");
@@ -209,7 +220,7 @@ fn enqueue_durable_jobs(
         return SetOfIterator::new(Vec::new());
     }
 
-    let job_ids: Vec<i64> = as_extension_owner(|| {
+    let job_ids: Vec<i64> = as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| match keys {
             // Without keys: one statement for the whole batch.
             None => {
@@ -221,6 +232,7 @@ fn enqueue_durable_jobs(
                     template.run_after.into(),
                     template.max_attempts.into(),
                     template.enqueued_by.as_str().into(),
+                    installed.has_status_api.into(),
                 ];
                 plans::execute(client, INSERT_JOBS, &args)
                     .map(|row| row.get::<i64>(1).unwrap().unwrap())
@@ -235,7 +247,7 @@ fn enqueue_durable_jobs(
                     .collect::<Vec<_>>();
                 each.into_iter()
                     .zip(keys)
-                    .map(|(payload, key)| template.insert_one(client, payload, key.as_deref()))
+                    .map(|(payload, key)| template.insert_one(client, installed, payload, key.as_deref()))
                     .collect()
             }
         })

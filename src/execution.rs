@@ -173,7 +173,7 @@ fn run_job(
 ) {
     let Some(handler) = job.handler else {
         // No handler, an enqueuer that no longer exists, or a handler it may not run.
-        record_failure(job_id, lease_token, worker_id, FailureCode::TargetRejected, tally);
+        record_failure(job_id, lease_token, worker_id, FailureCode::TargetRejected, None, tally);
         return;
     };
     let outcome = in_subtransaction(|| {
@@ -185,7 +185,8 @@ fn run_job(
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
         Err(sqlstate) => {
-            record_failure(job_id, lease_token, worker_id, FailureCode::from_sqlstate(&sqlstate), tally)
+            let code = FailureCode::from_sqlstate(&sqlstate);
+            record_failure(job_id, lease_token, worker_id, code, Some(&sqlstate), tally)
         }
     }
 }
@@ -227,12 +228,20 @@ fn call_handler(handler: Handler, payload: JsonbDatum) {
     }
 }
 
-/// The fenced failure of one job, in a subtransaction of its own: an error there (a deadlock
-/// with a concurrent cancel, a lock timeout) is logged and leaves the job to its lease, which
-/// another claim takes over once it expires. The caller has the worker's settings in force.
-pub fn record_failure(job_id: i64, lease_token: Uuid, worker_id: &str, code: FailureCode, tally: &mut Tally) {
+/// The fenced failure of one job, with the SQLSTATE of the handler's error if there was one, in
+/// a subtransaction of its own: an error there (a deadlock with a concurrent cancel, a lock
+/// timeout) is logged and leaves the job to its lease, which another claim takes over once it
+/// expires. The caller has the worker's settings in force.
+pub fn record_failure(
+    job_id: i64,
+    lease_token: Uuid,
+    worker_id: &str,
+    code: FailureCode,
+    sqlstate: Option<&str>,
+    tally: &mut Tally,
+) {
     let outcome = in_subtransaction(|| {
-        let outcome = lease::fail_job(job_id, worker_id, lease_token, code);
+        let outcome = lease::fail_job(job_id, worker_id, lease_token, code, sqlstate);
         tally.count(Counter::for_outcome(outcome));
         true
     });

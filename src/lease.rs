@@ -8,9 +8,10 @@
 use crate::arguments;
 use crate::failure::FailureCode;
 use crate::plans;
-use crate::privilege::{as_extension_owner, caller};
+use crate::privilege::{as_extension_owner, as_extension_owner_of, caller};
 use crate::settings;
 use crate::sql_types::JsonbDatum;
+use crate::waiters;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::Uuid;
@@ -24,6 +25,13 @@ macro_rules! release_lease {
     };
 }
 
+/// A change of state or lease: the job's state_version moves up (schemas from 0.4.0 on).
+macro_rules! new_state_version {
+    () => {
+        "state_version = state_version + 1, "
+    };
+}
+
 /// Matches only the running job whose live lease is exactly ($2, $3).
 macro_rules! lease_fence {
     () => {
@@ -34,9 +42,10 @@ macro_rules! lease_fence {
 
 // One statement: first, expired leases with no attempts left end as `lease_expired` instead of
 // being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
-// touch disjoint rows (attempts used up or not).
+// touch disjoint rows (attempts used up or not). `$claimed` and `$expired` add the status
+// columns' changes where the schema has them.
 macro_rules! claim_statement {
-    ($kind_filter:literal) => {
+    ($kind_filter:literal, $claimed:expr, $expired:expr) => {
         concat!(
                 "
                 WITH exhausted AS (
@@ -52,6 +61,7 @@ macro_rules! claim_statement {
                     UPDATE durable_jobs.durable_job x
                     SET job_state = 'failed', last_failure_code = 'lease_expired',
                         finished_at = pg_catalog.clock_timestamp(), ",
+                $expired,
                 release_lease!(),
                 "
                     FROM exhausted WHERE x.job_id = exhausted.job_id
@@ -79,9 +89,12 @@ macro_rules! claim_statement {
                         "
                     ORDER BY priority DESC, run_after, job_id
                     LIMIT $5
-                    FOR UPDATE OF durable_job SKIP LOCKED)
+                    FOR UPDATE OF durable_job SKIP LOCKED),
+                claimed AS (
                 UPDATE durable_jobs.durable_job j
-                SET job_state = 'running',
+                SET job_state = 'running', ",
+                $claimed,
+                "
                     lease_owner = $2,
                     lease_token = pg_catalog.gen_random_uuid(),
                     lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
@@ -89,15 +102,35 @@ macro_rules! claim_statement {
                     updated_at = pg_catalog.clock_timestamp()
                 FROM candidate WHERE j.job_id = candidate.job_id
                 RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
-                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text"
+                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text)
+                -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
+                SELECT * FROM claimed
+                UNION ALL
+                SELECT job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired"
         )
     };
 }
 
-// The SQL API's claim takes any kind ($4 is false); it must also run on the previous version's
-// schema until ALTER EXTENSION durable_jobs UPDATE.
+// A job that ends as `lease_expired` has no handler error behind it.
+macro_rules! expiry_columns {
+    () => {
+        concat!(new_state_version!(), "last_failure_sqlstate = NULL, ")
+    };
+}
+
+// The SQL API's claim takes any kind ($4 is false).
 pub(crate) const CLAIM: &str = claim_statement!(
-    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))"
+    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))",
+    new_state_version!(),
+    expiry_columns!()
+);
+
+// The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
+// durable_jobs UPDATE.
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(
+    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))",
+    "",
+    ""
 );
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
@@ -108,43 +141,62 @@ pub(crate) const CLAIM_FOR_WORKER: &str = claim_statement!(
          SELECT 1 FROM durable_jobs.durable_job_handler h
          WHERE h.job_kind = durable_job.job_kind
            AND durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
-                                                       durable_job.enqueued_by::pg_catalog.text))"
+                                                       durable_job.enqueued_by::pg_catalog.text))",
+    new_state_version!(),
+    expiry_columns!()
 );
 
-const COMPLETE: &str = concat!(
-    "
-    UPDATE durable_jobs.durable_job
-    SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
-    release_lease!(),
-    "
-    WHERE ",
-    lease_fence!(),
-    "
-    RETURNING job_id"
-);
+macro_rules! complete_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE ",
+            lease_fence!(),
+            "
+            RETURNING job_id"
+        )
+    };
+}
 
-// $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code.
+const COMPLETE: &str = complete_statement!(new_state_version!());
+const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("");
+
+// $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code; with
+// the status columns, $8: the SQLSTATE of the handler error (NULL from external workers).
 // Backoff: base * 2^(attempt - 1), capped, times a jitter factor in [0.5, 1).
-const FAIL: &str = concat!(
-    "
-    UPDATE durable_jobs.durable_job
-    SET job_state = CASE WHEN $4 AND attempt_count < max_attempts THEN 'available' ELSE 'failed' END,
-        run_after = CASE WHEN $4 AND attempt_count < max_attempts
-            THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs =>
-                 LEAST($6::float8, $5::float8 / 1000 * 2.0::float8 ^ (attempt_count - 1))
-                 * (0.5 + 0.5 * pg_catalog.random()))
-            ELSE run_after END,
-        finished_at = CASE WHEN $4 AND attempt_count < max_attempts THEN NULL
-                           ELSE pg_catalog.clock_timestamp() END,
-        last_failure_code = $7,
-        ",
-    release_lease!(),
-    "
-    WHERE ",
-    lease_fence!(),
-    "
-    RETURNING job_state"
-);
+macro_rules! fail_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = CASE WHEN $4 AND attempt_count < max_attempts THEN 'available' ELSE 'failed' END,
+                run_after = CASE WHEN $4 AND attempt_count < max_attempts
+                    THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs =>
+                         LEAST($6::float8, $5::float8 / 1000 * 2.0::float8 ^ (attempt_count - 1))
+                         * (0.5 + 0.5 * pg_catalog.random()))
+                    ELSE run_after END,
+                finished_at = CASE WHEN $4 AND attempt_count < max_attempts THEN NULL
+                                   ELSE pg_catalog.clock_timestamp() END,
+                last_failure_code = $7,
+                ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE ",
+            lease_fence!(),
+            "
+            RETURNING job_state"
+        )
+    };
+}
+
+const FAIL: &str = fail_statement!(concat!(new_state_version!(), "last_failure_sqlstate = $8, "));
+const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("");
 
 const EXTEND: &str = concat!(
     "
@@ -204,7 +256,7 @@ const RELEASE_UNSTARTED: &str = concat!(
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may cancel it too.
 const LOCK_FOR_CANCEL: &str = "
-    SELECT j.job_state,
+    SELECT j.job_state, j.last_failure_code,
            $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
                          WHERE r.rolname = j.enqueued_by
                            AND pg_catalog.pg_has_role($2, r.oid, 'USAGE'))
@@ -212,14 +264,33 @@ const LOCK_FOR_CANCEL: &str = "
     WHERE j.job_id = $1
     FOR UPDATE";
 
+macro_rules! cancel_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE job_id = $1 AND job_state IN ('available', 'running')
+            RETURNING job_id"
+        )
+    };
+}
+
+// The cancellation and its audit row in one statement; $2: the caller, $3, $4: the job's state
+// and last failure code before.
 const CANCEL: &str = concat!(
-    "
-    UPDATE durable_jobs.durable_job
-    SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), ",
-    release_lease!(),
-    "
-    WHERE job_id = $1 AND job_state IN ('available', 'running')"
+    "WITH cancelled AS (",
+    cancel_statement!(new_state_version!()),
+    ")
+    INSERT INTO durable_jobs.durable_job_audit
+        (job_id, action, acted_by, previous_state, previous_failure_code)
+    SELECT job_id, 'cancel', $2::pg_catalog.name, $3, $4 FROM cancelled
+    RETURNING job_id"
 );
+const CANCEL_ON_OLD_SCHEMA: &str = cancel_statement!("");
 
 /// Runs a statement as the extension owner and returns its first row's first column, if any.
 fn first_value<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
@@ -290,7 +361,7 @@ pub fn claim_jobs(
     handlers_only: bool,
     limit: i32,
 ) -> Vec<ClaimedJob> {
-    as_extension_owner(|| {
+    as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| {
             let queues = || -> DatumWithOid {
                 match queue_names {
@@ -306,8 +377,20 @@ pub fn claim_jobs(
                     handlers_only.into(),
                     i64::from(count).into(),
                 ];
-                let statement = if handlers_only { CLAIM_FOR_WORKER } else { CLAIM };
-                plans::execute(client, statement, &args)
+                let statement = match (handlers_only, installed.has_status_api) {
+                    (true, _) => CLAIM_FOR_WORKER,
+                    (false, true) => CLAIM,
+                    (false, false) => CLAIM_ON_OLD_SCHEMA,
+                };
+                let mut expired = Vec::new();
+                let claimed: Vec<ClaimedJob> = plans::execute(client, statement, &args)
+                    .filter(|row| {
+                        let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
+                        if !is_claimed {
+                            expired.push(row.get::<i64>(1).unwrap().unwrap());
+                        }
+                        is_claimed
+                    })
                     .map(|row| ClaimedJob {
                         job_id: row.get(1).unwrap().unwrap(),
                         lease_token: row.get(2).unwrap().unwrap(),
@@ -318,7 +401,9 @@ pub fn claim_jobs(
                         max_attempts: row.get(7).unwrap().unwrap(),
                         enqueued_by: row.get(8).unwrap().unwrap(),
                     })
-                    .collect()
+                    .collect();
+                waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id).chain(expired));
+                claimed
             };
             // A statement does not see its own claims when it checks a queue's concurrency
             // limit, so with limits in force a batch is claimed one job per statement.
@@ -340,14 +425,29 @@ pub fn claim_jobs(
 
 /// Fenced completion: `succeeded` or `stale`.
 pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> &'static str {
-    match first_value::<i64>(COMPLETE, &[job_id.into(), worker_id.into(), lease_token.into()]) {
-        Some(_) => "succeeded",
+    let args = [job_id.into(), worker_id.into(), lease_token.into()];
+    let completed = as_extension_owner_of(|installed| {
+        let statement = if installed.has_status_api { COMPLETE } else { COMPLETE_ON_OLD_SCHEMA };
+        first_value_of::<i64>(statement, &args)
+    });
+    match completed {
+        Some(_) => {
+            waiters::wake_waiters_at_commit([job_id]);
+            "succeeded"
+        }
         None => "stale",
     }
 }
 
-/// Fenced failure: `retried`, `failed` or `stale`.
-pub fn fail_job(job_id: i64, worker_id: &str, lease_token: Uuid, code: FailureCode) -> &'static str {
+/// Fenced failure: `retried`, `failed` or `stale`. `sqlstate`: that of the handler error behind
+/// it, when the background worker ran the handler.
+pub fn fail_job(
+    job_id: i64,
+    worker_id: &str,
+    lease_token: Uuid,
+    code: FailureCode,
+    sqlstate: Option<&str>,
+) -> &'static str {
     let args = [
         job_id.into(),
         worker_id.into(),
@@ -357,7 +457,18 @@ pub fn fail_job(job_id: i64, worker_id: &str, lease_token: Uuid, code: FailureCo
         settings::RETRY_MAX_DELAY.get().into(),
         code.as_str().into(),
     ];
-    match first_value::<String>(FAIL, &args).as_deref() {
+    let outcome = as_extension_owner_of(|installed| {
+        if installed.has_status_api {
+            let [a1, a2, a3, a4, a5, a6, a7] = args;
+            first_value_of::<String>(FAIL, &[a1, a2, a3, a4, a5, a6, a7, sqlstate.into()])
+        } else {
+            first_value_of::<String>(FAIL_ON_OLD_SCHEMA, &args)
+        }
+    });
+    if outcome.is_some() {
+        waiters::wake_waiters_at_commit([job_id]);
+    }
+    match outcome.as_deref() {
         Some("available") => "retried",
         Some(_) => "failed",
         None => "stale",
@@ -456,7 +567,7 @@ fn fail_durable_job(
 ) -> &'static str {
     let holder = LeaseHolder::new(job_id, worker_id, lease_token);
     let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
-    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code)
+    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code, None)
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -478,7 +589,7 @@ fn extend_durable_job_lease(
 fn cancel_durable_job(job_id: Option<i64>) -> bool {
     let job_id = arguments::required(job_id, "job_id");
     let caller = caller();
-    as_extension_owner(|| {
+    as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| {
             let found = plans::execute(
                 client,
@@ -488,7 +599,10 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             if found.is_empty() {
                 return false;
             }
-            let (state, allowed) = found.first().get_two::<String, bool>().expect("job row");
+            let row = found.first();
+            let state: Option<String> = row.get(1).expect("job_state");
+            let failure_code: Option<String> = row.get(2).expect("last_failure_code");
+            let allowed: Option<bool> = row.get(3).expect("permission");
             if allowed != Some(true) {
                 ereport!(
                     ERROR,
@@ -499,7 +613,22 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             if !matches!(state.as_deref(), Some("available" | "running")) {
                 return false;
             }
-            plans::execute(client, CANCEL, &[job_id.into()]).len() == 1
+            let cancelled = if installed.has_status_api {
+                let args = [
+                    job_id.into(),
+                    caller.role_name.as_str().into(),
+                    state.as_deref().into(),
+                    failure_code.as_deref().into(),
+                ];
+                plans::execute(client, CANCEL, &args)
+            } else {
+                plans::execute(client, CANCEL_ON_OLD_SCHEMA, &[job_id.into()])
+            };
+            let cancelled = cancelled.len() == 1;
+            if cancelled {
+                waiters::wake_waiters_at_commit([job_id]);
+            }
+            cancelled
         })
     })
 }

@@ -5,9 +5,11 @@
 //! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
 //! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
 //! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause,
-//! resume, concurrency limits), `retention` (deleting finished jobs), `worker` (the background
-//! worker loop), `runner` (role runners: one session per role), `execution` (running one
-//! handler), `wakeup` (latches set at enqueue commit),
+//! resume, concurrency limits), `status` (reading, listing and waiting for jobs), `replay`
+//! (running a failed or cancelled job again), `retention` (deleting finished jobs), `worker`
+//! (the background worker loop), `runner` (role runners: one session per role), `execution`
+//! (running one handler), `wakeup` (latches set at enqueue commit), `waiters` (latches of status
+//! waiters set at the commit of a job's change),
 //! `metrics`.
 
 use pgrx::prelude::*;
@@ -22,10 +24,13 @@ mod metrics;
 mod plans;
 mod privilege;
 mod queues;
+mod replay;
 mod retention;
 mod runner;
 mod settings;
 mod sql_types;
+mod status;
+mod waiters;
 mod wakeup;
 mod worker;
 
@@ -36,6 +41,7 @@ mod worker;
 extension_sql_file!("../sql/durable_jobs_schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/durable_jobs_handlers.sql", name = "handlers", requires = ["schema"]);
 extension_sql_file!("../sql/durable_jobs_queues.sql", name = "queues", requires = ["schema"]);
+extension_sql_file!("../sql/durable_jobs_status.sql", name = "status", requires = ["schema"]);
 extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
@@ -47,6 +53,7 @@ pub extern "C-unwind" fn _PG_init() {
         metrics::init_shared_memory();
         wakeup::init_shared_memory();
         runner::init_shared_memory();
+        waiters::init_shared_memory();
         // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
         // the databases: a worker connected to one makes its restore fail.
         if !unsafe { pg_sys::IsBinaryUpgrade } {
@@ -72,6 +79,7 @@ mod tests {
     include!("../pgrx-tests/security_tests.rs");
     include!("../pgrx-tests/queue_tests.rs");
     include!("../pgrx-tests/retention_tests.rs");
+    include!("../pgrx-tests/status_tests.rs");
     include!("../pgrx-tests/docs_tests.rs");
 }
 

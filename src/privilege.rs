@@ -26,10 +26,23 @@ pub fn caller() -> Caller {
     }
 }
 
-/// The extension's owner, read from its pg_extension row on every call, as `get_extension_oid`
-/// reads that row anyway: no cache to go stale after `REASSIGN OWNED`.
-fn extension_owner() -> pg_sys::Oid {
-    let owner = unsafe {
+/// Versions whose schema predates the status API (state_version, the fingerprint of every
+/// payload, the audit table). This library serves them until ALTER EXTENSION durable_jobs UPDATE.
+const VERSIONS_BEFORE_STATUS_API: [&str; 3] = ["0.1.0", "0.2.0", "0.3.0"];
+
+/// What our statements need to know of the installed extension.
+#[derive(Clone, Copy)]
+pub struct Installed {
+    pub owner: pg_sys::Oid,
+    /// The schema has the status API's columns and tables (0.4.0 on).
+    pub has_status_api: bool,
+}
+
+/// The extension's owner and version, read from its pg_extension row on every call, as
+/// `get_extension_oid` reads that row anyway: no cache to go stale after `REASSIGN OWNED` or
+/// `ALTER EXTENSION UPDATE`.
+fn installed() -> Installed {
+    let found = unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let catalog = pg_sys::table_open(pg_sys::ExtensionRelationId, lock);
         let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
@@ -43,33 +56,51 @@ fn extension_owner() -> pg_sys::Oid {
         let index = pg_sys::Oid::from(pg_sys::ExtensionNameIndexId);
         let scan = pg_sys::systable_beginscan(catalog, index, true, std::ptr::null_mut(), 1, &mut key);
         let row = pg_sys::systable_getnext(scan);
-        let owner = (!row.is_null())
-            .then(|| (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(row)).extowner);
+        let found = (!row.is_null()).then(|| {
+            let owner = (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(row)).extowner;
+            let mut is_null = false;
+            let version = pg_sys::heap_getattr(
+                row,
+                pg_sys::Anum_pg_extension_extversion as i32,
+                (*catalog).rd_att,
+                &mut is_null,
+            );
+            let version = String::from_datum(version, is_null).unwrap_or_default();
+            Installed { owner, has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&version.as_str()) }
+        });
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(catalog, lock);
-        owner
+        found
     };
-    if owner.is_none() {
+    if found.is_none() {
         ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             "extension durable_jobs is not installed in this database"
         );
     }
-    owner.unwrap()
+    found.unwrap()
 }
 
 /// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores
 /// the previous user by itself; the normal path restores it here.
 pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
-    let owner = extension_owner();
+    as_extension_owner_of(|_| f())
+}
+
+/// `as_extension_owner`, telling `f` what is installed.
+pub fn as_extension_owner_of<R>(f: impl FnOnce(Installed) -> R) -> R {
+    let installed = installed();
     let mut saved_user = pg_sys::Oid::INVALID;
     let mut saved_context = 0;
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32);
+        pg_sys::SetUserIdAndSecContext(
+            installed.owner,
+            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
+        );
     }
-    let result = f();
+    let result = f(installed);
     unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };
     result
 }

@@ -2,7 +2,8 @@
 //!
 //! `JsonbDatum`: a jsonb value passed through untouched. pgrx's `JsonB` parses into serde_json
 //! and back, which costs time and can round numbers; a job queue must hand the payload on
-//! exactly as given. `JsonbArray`: a jsonb[] handed on to SQL the same way. `Regprocedure`: a
+//! exactly as given. `JsonbArray`: a jsonb[] handed on to SQL the same way. `JobStatusRow` and
+//! `JobListingRow`: rows of the status API's composite types, the same way. `Regprocedure`: a
 //! routine's oid, declared in SQL as `regprocedure`.
 
 use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
@@ -69,6 +70,9 @@ macro_rules! passthrough_varlena {
 
 passthrough_varlena!(JsonbDatum, pg_sys::JSONBOID, "jsonb");
 passthrough_varlena!(JsonbArray, pg_sys::JSONBARRAYOID, "jsonb[]");
+// Rows of the status API's composite types, formed by SQL (`ROW(...)::type`) and handed on.
+passthrough_varlena!(JobStatusRow, pg_sys::RECORDOID, "durable_jobs.durable_job_status");
+passthrough_varlena!(JobListingRow, pg_sys::RECORDOID, "durable_jobs.durable_job_listing");
 
 impl JsonbDatum {
     /// The payload's size in bytes once decompressed.

@@ -336,7 +336,7 @@ fn fail_in_own_transaction((job_id, lease_token): (i64, Uuid), sqlstate: &str, w
             let mut tally = Tally::default();
             let code = FailureCode::from_sqlstate(sqlstate);
             with_worker_settings(|| {
-                execution::record_failure(job_id, lease_token, worker_id, code, &mut tally)
+                execution::record_failure(job_id, lease_token, worker_id, code, Some(sqlstate), &mut tally)
             });
             tally
         })

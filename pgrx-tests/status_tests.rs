@@ -1,0 +1,394 @@
+// Status API: get_durable_job, list_durable_jobs, state_version, last_failure_sqlstate, audit.
+
+/// state_version of a job as get_durable_job shows it.
+fn state_version(job_id: i64) -> i64 {
+    Spi::get_one_with_args::<i64>("SELECT state_version FROM durable_jobs.get_durable_job($1)", &[job_id.into()])
+        .expect("get_durable_job")
+        .expect("a visible job")
+}
+
+/// The job ids of one page, and the cursor of its last row.
+fn list_page(arguments: &str, cursor: Option<&str>) -> (Vec<i64>, Option<String>) {
+    let rows: Vec<(i64, String)> = Spi::connect(|client| {
+        client
+            .select(
+                &format!("SELECT job_id, page_cursor FROM durable_jobs.list_durable_jobs({arguments}, page_cursor => $1)"),
+                None,
+                &[cursor.into()],
+            )
+            .expect("list_durable_jobs")
+            .map(|row| (row.get::<i64>(1).unwrap().unwrap(), row.get::<String>(2).unwrap().unwrap()))
+            .collect()
+    });
+    let last_cursor = rows.last().map(|(_, cursor)| cursor.clone());
+    (rows.into_iter().map(|(job_id, _)| job_id).collect(), last_cursor)
+}
+
+/// Every job id a listing returns, walking its pages.
+fn walk_pages(arguments: &str) -> Vec<i64> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let (page, next) = list_page(arguments, cursor.as_deref());
+        if page.is_empty() {
+            return all;
+        }
+        all.extend(page);
+        cursor = next;
+    }
+}
+
+#[pg_test]
+fn get_durable_job_returns_the_documented_columns_and_never_the_payload_or_token() {
+    let columns: Vec<String> = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT attname::text FROM pg_attribute
+                 WHERE attrelid = 'durable_jobs.durable_job_status'::regclass AND attnum > 0 ORDER BY attnum",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<String>(1).unwrap().unwrap())
+            .collect()
+    });
+    assert_eq!(
+        columns.join(","),
+        "job_id,queue_name,job_kind,job_state,state_version,attempt_count,max_attempts,last_failure_code,\
+         last_failure_sqlstate,priority,run_after,lease_owner,lease_expires_at,idempotency_key,enqueued_by,\
+         created_at,updated_at,finished_at,replay_count"
+    );
+    let listing = one::<String>(
+        "SELECT string_agg(attname::text, ',' ORDER BY attnum) FROM pg_attribute
+         WHERE attrelid = 'durable_jobs.durable_job_listing'::regclass AND attnum > 0",
+    );
+    assert_eq!(listing, format!("{},page_cursor", columns.join(",")));
+
+    let job_id = Spi::get_one::<i64>(
+        "SELECT durable_jobs.enqueue_durable_job('k', '{\"secret\": 1}', 'key-1', queue_name => 'q', priority => 5)",
+    )
+    .unwrap()
+    .unwrap();
+    claim("w").unwrap();
+    let row = one::<String>(&format!(
+        "SELECT concat_ws('|', job_id, queue_name, job_kind, job_state, state_version, attempt_count,
+                          last_failure_code IS NULL, priority, lease_owner, lease_expires_at IS NOT NULL,
+                          idempotency_key, enqueued_by, finished_at IS NULL, replay_count)
+         FROM durable_jobs.get_durable_job({job_id})"
+    ));
+    assert_eq!(row, format!("{job_id}|q|k|running|2|1|t|5|w|t|key-1|postgres|t|0"));
+    assert_eq!(one::<i64>(&format!("SELECT count(*) FROM durable_jobs.get_durable_job({})", job_id + 1000)), 0);
+    assert_rejected("SELECT * FROM durable_jobs.get_durable_job(NULL)", "22004");
+}
+
+#[pg_test]
+fn state_version_moves_on_every_change_of_state_or_lease_and_only_then() {
+    let job_id = Spi::get_one::<i64>("SELECT durable_jobs.enqueue_durable_job('k', '{}', 'again')")
+        .unwrap()
+        .unwrap();
+    assert_eq!(state_version(job_id), 1, "1 at enqueue");
+    Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', 'again')").unwrap();
+    assert_eq!(state_version(job_id), 1, "an idempotent re-enqueue changes nothing");
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(state_version(job_id), 2, "claim");
+    Spi::run_with_args(
+        "SELECT durable_jobs.extend_durable_job_lease($1, 'w', $2, 60)",
+        &[job_id.into(), token.into()],
+    )
+    .unwrap();
+    assert_eq!(state_version(job_id), 2, "a lease extension is no change of state or lease");
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "retried");
+    assert_eq!(state_version(job_id), 3, "retry");
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "stale");
+    assert_eq!(complete(job_id, "w", token), "stale");
+    assert_eq!(state_version(job_id), 3, "stale calls change nothing");
+    Spi::run_with_args("UPDATE durable_jobs.durable_job SET run_after = now() WHERE job_id = $1", &[job_id.into()])
+        .unwrap();
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(state_version(job_id), 4, "second claim");
+    expire_lease(job_id);
+    let (_, reclaimed) = claim("w2").unwrap();
+    assert_eq!(state_version(job_id), 5, "reclaim after expiry");
+    assert_eq!(complete(job_id, "w", token), "stale");
+    assert_eq!(complete(job_id, "w2", reclaimed), "succeeded");
+    assert_eq!(state_version(job_id), 6, "completion");
+
+    let cancelled = enqueue("k", "{}");
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[cancelled.into()]).unwrap();
+    assert_eq!(state_version(cancelled), 2, "cancel");
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[cancelled.into()]).unwrap();
+    assert_eq!(state_version(cancelled), 2, "a second cancel changes nothing");
+
+    let failing = Spi::get_one::<i64>("SELECT durable_jobs.enqueue_durable_job('k', '{}', max_attempts => 1)")
+        .unwrap()
+        .unwrap();
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(fail(failing, "w", token, "invalid_request"), "failed");
+    assert_eq!(state_version(failing), 3, "terminal failure");
+
+    let expiring = Spi::get_one::<i64>("SELECT durable_jobs.enqueue_durable_job('k', '{}', max_attempts => 1)")
+        .unwrap()
+        .unwrap();
+    claim("w").unwrap();
+    expire_lease(expiring);
+    assert!(claim("w").is_none());
+    assert_eq!(job_field::<String>(expiring, "last_failure_code").as_deref(), Some("lease_expired"));
+    assert_eq!(state_version(expiring), 3, "lease_expired");
+}
+
+#[pg_test]
+fn failures_reported_by_external_workers_or_lease_expiry_carry_no_sqlstate() {
+    let job_id = Spi::get_one::<i64>("SELECT durable_jobs.enqueue_durable_job('k', '{}', max_attempts => 2)")
+        .unwrap()
+        .unwrap();
+    // As if the background worker had recorded a handler's serialization failure before.
+    Spi::run_with_args(
+        "UPDATE durable_jobs.durable_job SET last_failure_code = 'target_unavailable',
+                last_failure_sqlstate = '40001' WHERE job_id = $1",
+        &[job_id.into()],
+    )
+    .unwrap();
+    let (_, token) = claim("w").unwrap();
+    assert_eq!(fail(job_id, "w", token, "target_unavailable"), "retried");
+    assert_eq!(job_field::<String>(job_id, "last_failure_sqlstate"), None);
+    Spi::run_with_args(
+        "UPDATE durable_jobs.durable_job SET run_after = now(), last_failure_sqlstate = '57014' WHERE job_id = $1",
+        &[job_id.into()],
+    )
+    .unwrap();
+    claim("w").unwrap();
+    expire_lease(job_id);
+    assert!(claim("w").is_none());
+    assert_eq!(job_field::<String>(job_id, "last_failure_code").as_deref(), Some("lease_expired"));
+    assert_eq!(job_field::<String>(job_id, "last_failure_sqlstate"), None);
+    assert_rejected(
+        &format!("UPDATE durable_jobs.durable_job SET last_failure_sqlstate = '4000' WHERE job_id = {job_id}"),
+        "23514",
+    );
+}
+
+#[pg_test]
+fn every_payload_keeps_its_fingerprint() {
+    let job_id = enqueue("k", r#"{"b": 2, "a": 1}"#);
+    let batch: Vec<i64> = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT * FROM durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"n\": 1}', '{\"n\": 2}']::jsonb[])",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    });
+    for (id, payload) in [(job_id, r#"{"a": 1, "b": 2}"#), (batch[0], r#"{"n": 1}"#), (batch[1], r#"{"n": 2}"#)] {
+        let matches = Spi::get_one_with_args::<bool>(
+            "SELECT payload_sha256 = sha256(convert_to($2::jsonb::text, 'UTF8'))
+             FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[id.into(), payload.into()],
+        );
+        assert_eq!(matches, Ok(Some(true)), "job {id}");
+    }
+}
+
+#[pg_test]
+fn a_caller_sees_only_the_jobs_of_roles_whose_privileges_it_has() {
+    Spi::run(
+        "CREATE ROLE dj_status_owner; CREATE ROLE dj_status_stranger; CREATE ROLE dj_status_team;
+         GRANT dj_status_owner TO dj_status_team;
+         GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_status_owner, dj_status_stranger, dj_status_team;
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                                   durable_jobs.get_durable_job(bigint),
+                                   durable_jobs.list_durable_jobs(text, text[], text, integer, text)
+             TO dj_status_owner, dj_status_stranger, dj_status_team;
+         SET LOCAL ROLE dj_status_owner",
+    )
+    .unwrap();
+    let job_id = enqueue("k", "{}");
+    let visible = |role: &str| -> (i64, i64) {
+        Spi::run(&format!("SET LOCAL ROLE {role}")).unwrap();
+        let got = one::<i64>(&format!("SELECT count(*) FROM durable_jobs.get_durable_job({job_id})"));
+        let listed = one::<i64>("SELECT count(*) FROM durable_jobs.list_durable_jobs()");
+        let listed_by_state =
+            one::<i64>("SELECT count(*) FROM durable_jobs.list_durable_jobs(job_states => ARRAY['available'])");
+        assert_eq!(listed, listed_by_state, "{role}");
+        (got, listed)
+    };
+    assert_eq!(visible("dj_status_owner"), (1, 1));
+    assert_eq!(visible("dj_status_team"), (1, 1), "a member of the enqueuer");
+    assert_eq!(visible("dj_status_stranger"), (0, 0), "another role's job is simply not there");
+    Spi::run("RESET ROLE").unwrap();
+    let superuser_sees = one::<i64>(&format!("SELECT count(*) FROM durable_jobs.get_durable_job({job_id})"));
+    assert_eq!(superuser_sees, 1);
+}
+
+#[pg_test]
+fn list_durable_jobs_walks_every_matching_job_once_newest_first() {
+    let mut ids: Vec<i64> = Vec::new();
+    for n in 0..25 {
+        let queue = if n % 2 == 0 { "even" } else { "odd" };
+        let kind = if n % 3 == 0 { "third" } else { "other" };
+        ids.push(
+            Spi::get_one_with_args::<i64>(
+                "SELECT durable_jobs.enqueue_durable_job($1, '{}', queue_name => $2)",
+                &[kind.into(), queue.into()],
+            )
+            .unwrap()
+            .unwrap(),
+        );
+    }
+    // Some jobs of each queue move on to other states.
+    for _ in 0..4 {
+        let (job_id, token) = claim("w").unwrap();
+        if job_id % 2 == 0 {
+            complete(job_id, "w", token);
+        }
+    }
+    let newest_first = |filter: &dyn Fn(i64) -> bool| -> Vec<i64> {
+        let mut expected: Vec<i64> = ids.iter().copied().filter(|id| filter(*id)).collect();
+        expected.sort_unstable_by(|a, b| b.cmp(a));
+        expected
+    };
+    let state_of = |id: i64| job_state(id);
+    let queue_of = |id: i64| job_field::<String>(id, "queue_name").unwrap();
+    let kind_of = |id: i64| job_field::<String>(id, "job_kind").unwrap();
+
+    assert_eq!(walk_pages("page_size => 4"), newest_first(&|_| true));
+    assert_eq!(walk_pages("queue_name => 'odd', page_size => 3"), newest_first(&|id| queue_of(id) == "odd"));
+    assert_eq!(
+        walk_pages("job_states => ARRAY['running', 'succeeded'], page_size => 1"),
+        newest_first(&|id| matches!(state_of(id).as_str(), "running" | "succeeded"))
+    );
+    assert_eq!(
+        walk_pages("queue_name => 'even', job_states => ARRAY['available'], job_kind => 'third', page_size => 2"),
+        newest_first(&|id| queue_of(id) == "even" && state_of(id) == "available" && kind_of(id) == "third")
+    );
+
+    // A page keeps its place while jobs are enqueued meanwhile.
+    let (first_page, cursor) = list_page("page_size => 10", None);
+    enqueue("k", "{}");
+    let (second_page, _) = list_page("page_size => 10", cursor.as_deref());
+    let expected = newest_first(&|_| true);
+    assert_eq!(first_page, expected[..10]);
+    assert_eq!(second_page, expected[10..20]);
+}
+
+#[pg_test]
+fn list_durable_jobs_refuses_bad_arguments_and_foreign_cursors() {
+    enqueue("k", "{}");
+    enqueue("k", "{}");
+    let (_, cursor) = list_page("page_size => 1", None);
+    let cursor = cursor.unwrap();
+    let (_, queue_cursor) = list_page("queue_name => 'default', page_size => 1", None);
+    let queue_cursor = queue_cursor.unwrap();
+    let call = |arguments: &str| format!("SELECT * FROM durable_jobs.list_durable_jobs({arguments})");
+    for arguments in [
+        "page_size => 0".to_string(),
+        "page_size => 1001".to_string(),
+        "job_states => ARRAY['done']".to_string(),
+        "job_states => ARRAY[]::text[]".to_string(),
+        "job_states => ARRAY[NULL]::text[]".to_string(),
+        "queue_name => ''".to_string(),
+        "job_kind => ''".to_string(),
+        "page_cursor => 'not-a-cursor'".to_string(),
+        "page_cursor => ''".to_string(),
+        format!("queue_name => 'default', page_cursor => '{cursor}'"),
+        format!("page_cursor => '{queue_cursor}'"),
+        format!("job_kind => 'k', page_cursor => '{cursor}'"),
+    ] {
+        assert_rejected(&call(&arguments), "22023");
+    }
+    assert_rejected(&call("page_size => NULL"), "22004");
+    // The same filters continue; states are a set.
+    assert_eq!(list_page("page_size => 1", Some(&cursor)).0.len(), 1);
+    let (_, states_cursor) = list_page("job_states => ARRAY['available', 'failed'], page_size => 1", None);
+    let (page, _) = list_page("job_states => ARRAY['failed', 'available', 'failed'], page_size => 1", states_cursor.as_deref());
+    assert_eq!(page.len(), 1);
+}
+
+#[pg_test]
+fn cancel_is_recorded_in_the_audit_table() {
+    let job_id = enqueue("k", "{}");
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[job_id.into()]).unwrap();
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[job_id.into()]).unwrap();
+    let audit = one::<String>(&format!(
+        "SELECT string_agg(concat_ws('|', job_id, action, acted_by, previous_state, previous_failure_code IS NULL,
+                                     acted_at <= clock_timestamp()), ';')
+         FROM durable_jobs.durable_job_audit WHERE job_id = {job_id}"
+    ));
+    assert_eq!(audit, format!("{job_id}|cancel|postgres|available|t|t"), "one row: the second cancel changed nothing");
+}
+
+/// Shared and local blocks a listing statement touches, and whether every scan in its plan is an
+/// index scan, from EXPLAIN (ANALYZE, BUFFERS) of the statement list_durable_jobs runs.
+fn listing_cost(queue_name: Option<&str>, job_states: &[&'static str], below: i64, page_size: i64) -> (i64, bool) {
+    let filters = crate::status::ListFilters {
+        queue_name: queue_name.map(str::to_owned),
+        job_states: job_states.to_vec(),
+        job_kind: None,
+    };
+    let plan = Spi::connect_mut(|client| {
+        client
+            .update(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", filters.statement()),
+                None,
+                &[
+                    below.into(),
+                    page_size.into(),
+                    queue_name.into(),
+                    Option::<&str>::None.into(),
+                    true.into(),
+                    Vec::<String>::new().into(),
+                    "tag".into(),
+                ],
+            )
+            .unwrap()
+            .first()
+            .get_one::<String>()
+            .unwrap()
+            .unwrap()
+    });
+    Spi::get_two_with_args::<i64, bool>(
+        r#"SELECT (p -> 0 -> 'Plan' ->> 'Shared Hit Blocks')::bigint + (p -> 0 -> 'Plan' ->> 'Shared Read Blocks')::bigint,
+                  NOT jsonb_path_exists(p, '$.** ? (@."Node Type" == "Seq Scan" || @."Node Type" == "Sort"
+                                                     || @."Node Type" == "Bitmap Heap Scan")')
+           FROM (SELECT $1::jsonb AS p) plan"#,
+        &[plan.into()],
+    )
+    .map(|(blocks, index_only)| (blocks.unwrap(), index_only.unwrap()))
+    .unwrap()
+}
+
+#[pg_test]
+fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states() {
+    // 200,000 succeeded jobs in two queues, a few failed ones among them, and some waiting.
+    Spi::run(
+        "INSERT INTO durable_jobs.durable_job
+             (queue_name, job_kind, job_state, payload, max_attempts, attempt_count, enqueued_by, finished_at,
+              last_failure_code)
+         SELECT CASE WHEN g % 2 = 0 THEN 'even' ELSE 'odd' END, 'k',
+                CASE WHEN g % 40000 = 7 THEN 'failed' ELSE 'succeeded' END, NULL, 1, 1, 'postgres', now(),
+                CASE WHEN g % 40000 = 7 THEN 'target_rejected' END
+         FROM generate_series(1, 200000) g;
+         INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
+         SELECT 'odd', 'k', '{}', 1, 'postgres' FROM generate_series(1, 50);
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    let deep = one::<i64>("SELECT max(job_id) - 100000 FROM durable_jobs.durable_job");
+    for (what, queue, states, below) in [
+        ("first page", None, &[][..], i64::MAX),
+        ("page at depth 100,000", None, &[][..], deep),
+        ("first page of a queue", Some("odd"), &[][..], i64::MAX),
+        ("page of a queue at depth 100,000", Some("odd"), &[][..], deep),
+        ("rare state", None, &["failed"][..], i64::MAX),
+        ("rare state in a queue", Some("odd"), &["failed"][..], i64::MAX),
+        ("several states", None, &["available", "failed", "cancelled"][..], deep),
+    ] {
+        let (blocks, index_only) = listing_cost(queue, states, below, 100);
+        assert!(index_only, "{what}: every scan is an index scan");
+        // A page of 100 rows lies in a few heap pages and index leaves; a scan of the table would
+        // touch thousands.
+        assert!(blocks <= 60, "{what}: {blocks} blocks for a page of 100");
+    }
+}

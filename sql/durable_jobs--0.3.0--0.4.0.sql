@@ -1,0 +1,144 @@
+-- durable_jobs 0.3.0 to 0.4.0: the status API. Every job gets state_version 1, replay_count 0
+-- and no SQLSTATE; from now on every enqueued payload keeps its fingerprint (replay compares
+-- against it). Two listing indexes are built over the job table while the update holds its
+-- lock. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result
+-- equals a fresh 0.4.0 install.
+\echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
+
+-- A constant default: no table rewrite.
+ALTER TABLE durable_jobs.durable_job
+    ADD COLUMN state_version pg_catalog.int8 NOT NULL DEFAULT 1,
+    ADD COLUMN last_failure_sqlstate pg_catalog.text,
+    ADD COLUMN replay_count pg_catalog.int4 NOT NULL DEFAULT 0;
+
+-- Every job enqueued from now on has a fingerprint; a keyed job always had one.
+ALTER TABLE durable_jobs.durable_job
+    DROP CONSTRAINT durable_job_key_has_fingerprint,
+    ADD CONSTRAINT durable_job_key_has_fingerprint CHECK (
+        idempotency_key IS NULL OR payload_sha256 IS NOT NULL),
+    ADD CONSTRAINT durable_job_status_fields_valid CHECK (
+        state_version >= 1 AND replay_count >= 0
+        AND (last_failure_sqlstate IS NULL OR pg_catalog.octet_length(last_failure_sqlstate) = 5));
+
+CREATE INDEX durable_job_state_listing_idx
+    ON durable_jobs.durable_job (job_state, job_id);
+CREATE INDEX durable_job_queue_listing_idx
+    ON durable_jobs.durable_job (queue_name, job_state, job_id);
+
+-- Who cancelled or replayed which job, when, and from what state. Read by the extension owner.
+CREATE TABLE durable_jobs.durable_job_audit (
+    audit_id               pg_catalog.int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id                 pg_catalog.int8 NOT NULL,
+    action                 pg_catalog.text NOT NULL,
+    acted_by               pg_catalog.name NOT NULL,
+    acted_at               pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    previous_state         pg_catalog.text NOT NULL,
+    previous_failure_code  pg_catalog.text,
+    CONSTRAINT durable_job_audit_action_known CHECK (action IN ('cancel', 'replay'))
+);
+
+COMMENT ON TABLE durable_jobs.durable_job_audit IS
+    'Cancellations and replays of durable_jobs jobs: who, when, and the state before.';
+
+CREATE INDEX durable_job_audit_job_idx ON durable_jobs.durable_job_audit (job_id);
+CREATE INDEX durable_job_audit_acted_at_idx ON durable_jobs.durable_job_audit (acted_at);
+
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_audit', '');
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_audit_audit_id_seq', '');
+
+-- A job as the status functions show it: never its payload or lease token.
+CREATE TYPE durable_jobs.durable_job_status AS (
+    job_id                pg_catalog.int8,
+    queue_name            pg_catalog.text,
+    job_kind              pg_catalog.text,
+    job_state             pg_catalog.text,
+    state_version         pg_catalog.int8,
+    attempt_count         pg_catalog.int4,
+    max_attempts          pg_catalog.int4,
+    last_failure_code     pg_catalog.text,
+    last_failure_sqlstate pg_catalog.text,
+    priority              pg_catalog.int4,
+    run_after             pg_catalog.timestamptz,
+    lease_owner           pg_catalog.text,
+    lease_expires_at      pg_catalog.timestamptz,
+    idempotency_key       pg_catalog.text,
+    enqueued_by           pg_catalog.name,
+    created_at            pg_catalog.timestamptz,
+    updated_at            pg_catalog.timestamptz,
+    finished_at           pg_catalog.timestamptz,
+    replay_count          pg_catalog.int4
+);
+
+-- The same, with the cursor that continues a listing after this row.
+CREATE TYPE durable_jobs.durable_job_listing AS (
+    job_id                pg_catalog.int8,
+    queue_name            pg_catalog.text,
+    job_kind              pg_catalog.text,
+    job_state             pg_catalog.text,
+    state_version         pg_catalog.int8,
+    attempt_count         pg_catalog.int4,
+    max_attempts          pg_catalog.int4,
+    last_failure_code     pg_catalog.text,
+    last_failure_sqlstate pg_catalog.text,
+    priority              pg_catalog.int4,
+    run_after             pg_catalog.timestamptz,
+    lease_owner           pg_catalog.text,
+    lease_expires_at      pg_catalog.timestamptz,
+    idempotency_key       pg_catalog.text,
+    enqueued_by           pg_catalog.name,
+    created_at            pg_catalog.timestamptz,
+    updated_at            pg_catalog.timestamptz,
+    finished_at           pg_catalog.timestamptz,
+    replay_count          pg_catalog.int4,
+    page_cursor           pg_catalog.text
+);
+
+CREATE FUNCTION durable_jobs.get_durable_job(job_id pg_catalog.int8)
+    RETURNS SETOF durable_jobs.durable_job_status
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'get_durable_job_wrapper';
+
+CREATE FUNCTION durable_jobs.list_durable_jobs(
+    queue_name pg_catalog.text DEFAULT NULL,
+    job_states pg_catalog.text[] DEFAULT NULL,
+    job_kind pg_catalog.text DEFAULT NULL,
+    page_size pg_catalog.int4 DEFAULT 100,
+    page_cursor pg_catalog.text DEFAULT NULL)
+    RETURNS SETOF durable_jobs.durable_job_listing
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'list_durable_jobs_wrapper';
+
+CREATE FUNCTION durable_jobs.wait_for_durable_job(
+    job_id pg_catalog.int8,
+    known_version pg_catalog.int8 DEFAULT NULL,
+    timeout_seconds pg_catalog.float8 DEFAULT 30)
+    RETURNS SETOF durable_jobs.durable_job_status
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'wait_for_durable_job_wrapper';
+
+CREATE FUNCTION durable_jobs.replay_durable_job(
+    job_id pg_catalog.int8,
+    payload pg_catalog.jsonb,
+    extra_attempts pg_catalog.int4 DEFAULT 1)
+    RETURNS SETOF durable_jobs.durable_job_status
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'replay_durable_job_wrapper';
+
+-- As everything else in durable_jobs: no one but the owner until granted.
+REVOKE ALL ON TABLE durable_jobs.durable_job_audit FROM PUBLIC;
+REVOKE ALL ON SEQUENCE durable_jobs.durable_job_audit_audit_id_seq FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.get_durable_job(pg_catalog.int8) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.list_durable_jobs(pg_catalog.text, pg_catalog.text[], pg_catalog.text,
+                                                     pg_catalog.int4, pg_catalog.text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8, pg_catalog.float8)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.replay_durable_job(pg_catalog.int8, pg_catalog.jsonb, pg_catalog.int4)
+    FROM PUBLIC;

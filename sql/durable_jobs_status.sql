@@ -1,0 +1,70 @@
+-- durable_jobs status API: the row types the status functions return, and the audit of
+-- cancellations and replays.
+
+-- Who cancelled or replayed which job, when, and from what state. Read by the extension owner.
+CREATE TABLE durable_jobs.durable_job_audit (
+    audit_id               pg_catalog.int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id                 pg_catalog.int8 NOT NULL,
+    action                 pg_catalog.text NOT NULL,
+    acted_by               pg_catalog.name NOT NULL,
+    acted_at               pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    previous_state         pg_catalog.text NOT NULL,
+    previous_failure_code  pg_catalog.text,
+    CONSTRAINT durable_job_audit_action_known CHECK (action IN ('cancel', 'replay'))
+);
+
+COMMENT ON TABLE durable_jobs.durable_job_audit IS
+    'Cancellations and replays of durable_jobs jobs: who, when, and the state before.';
+
+CREATE INDEX durable_job_audit_job_idx ON durable_jobs.durable_job_audit (job_id);
+CREATE INDEX durable_job_audit_acted_at_idx ON durable_jobs.durable_job_audit (acted_at);
+
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_audit', '');
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_audit_audit_id_seq', '');
+
+-- A job as the status functions show it: never its payload or lease token.
+CREATE TYPE durable_jobs.durable_job_status AS (
+    job_id                pg_catalog.int8,
+    queue_name            pg_catalog.text,
+    job_kind              pg_catalog.text,
+    job_state             pg_catalog.text,
+    state_version         pg_catalog.int8,
+    attempt_count         pg_catalog.int4,
+    max_attempts          pg_catalog.int4,
+    last_failure_code     pg_catalog.text,
+    last_failure_sqlstate pg_catalog.text,
+    priority              pg_catalog.int4,
+    run_after             pg_catalog.timestamptz,
+    lease_owner           pg_catalog.text,
+    lease_expires_at      pg_catalog.timestamptz,
+    idempotency_key       pg_catalog.text,
+    enqueued_by           pg_catalog.name,
+    created_at            pg_catalog.timestamptz,
+    updated_at            pg_catalog.timestamptz,
+    finished_at           pg_catalog.timestamptz,
+    replay_count          pg_catalog.int4
+);
+
+-- The same, with the cursor that continues a listing after this row.
+CREATE TYPE durable_jobs.durable_job_listing AS (
+    job_id                pg_catalog.int8,
+    queue_name            pg_catalog.text,
+    job_kind              pg_catalog.text,
+    job_state             pg_catalog.text,
+    state_version         pg_catalog.int8,
+    attempt_count         pg_catalog.int4,
+    max_attempts          pg_catalog.int4,
+    last_failure_code     pg_catalog.text,
+    last_failure_sqlstate pg_catalog.text,
+    priority              pg_catalog.int4,
+    run_after             pg_catalog.timestamptz,
+    lease_owner           pg_catalog.text,
+    lease_expires_at      pg_catalog.timestamptz,
+    idempotency_key       pg_catalog.text,
+    enqueued_by           pg_catalog.name,
+    created_at            pg_catalog.timestamptz,
+    updated_at            pg_catalog.timestamptz,
+    finished_at           pg_catalog.timestamptz,
+    replay_count          pg_catalog.int4,
+    page_cursor           pg_catalog.text
+);

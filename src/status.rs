@@ -1,0 +1,325 @@
+//! The status API: read one job, list jobs in keyset pages, wait for a job to change. A caller
+//! sees the jobs of the roles
+//! whose privileges it has; superusers and roles with the extension owner's privileges see all.
+//! Any other job is simply not there. No status row ever carries a payload or a lease token.
+
+use crate::arguments;
+use crate::plans;
+use crate::privilege::{as_extension_owner_of, caller, Caller};
+use crate::sql_types::{JobListingRow, JobStatusRow};
+use crate::waiters::WaiterSlot;
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+/// The columns of `durable_jobs.durable_job_status`, in its order, from job row `j`.
+#[macro_export]
+macro_rules! status_columns {
+    () => {
+        "j.job_id, j.queue_name, j.job_kind, j.job_state, j.state_version, j.attempt_count,
+         j.max_attempts, j.last_failure_code, j.last_failure_sqlstate, j.priority, j.run_after,
+         j.lease_owner, j.lease_expires_at, j.idempotency_key, j.enqueued_by, j.created_at,
+         j.updated_at, j.finished_at, j.replay_count"
+    };
+}
+
+/// $2: the caller sees every job; $3: the caller's role.
+macro_rules! visible_to_caller {
+    () => {
+        "($2 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
+                        WHERE r.rolname = j.enqueued_by AND pg_catalog.pg_has_role($3, r.oid, 'USAGE')))"
+    };
+}
+
+const GET: &str = concat!(
+    "SELECT ROW(",
+    status_columns!(),
+    ")::durable_jobs.durable_job_status
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1 AND ",
+    visible_to_caller!()
+);
+
+const GET_WITH_VERSION: &str = concat!(
+    "SELECT ROW(",
+    status_columns!(),
+    ")::durable_jobs.durable_job_status, j.job_state, j.state_version
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1 AND ",
+    visible_to_caller!()
+);
+
+/// The roles whose jobs a caller that does not see all may see.
+const VISIBLE_ROLES: &str = "
+    SELECT COALESCE(pg_catalog.array_agg(r.rolname::pg_catalog.text), '{}')
+    FROM pg_catalog.pg_roles r WHERE pg_catalog.pg_has_role($1, r.oid, 'USAGE')";
+
+/// The job states, in the order their index ranges are listed.
+pub const JOB_STATES: [&str; 5] = ["available", "running", "succeeded", "failed", "cancelled"];
+
+/// Whether `caller` sees every job: a superuser, or a role with the extension owner's privileges.
+fn sees_all_jobs(caller: &Caller, owner: pg_sys::Oid) -> bool {
+    caller.is_superuser || unsafe { pg_sys::has_privs_of_role(caller.role_oid, owner) }
+}
+
+#[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
+#[search_path(pg_catalog, pg_temp)]
+fn get_durable_job(job_id: Option<i64>) -> SetOfIterator<'static, JobStatusRow> {
+    let job_id = arguments::required(job_id, "job_id");
+    SetOfIterator::new(read_job(job_id))
+}
+
+/// The job's status row, if the current role sees the job, with its state and state_version.
+fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
+    let caller = caller();
+    as_extension_owner_of(|installed| {
+        let sees_all = sees_all_jobs(&caller, installed.owner);
+        Spi::connect_mut(|client| {
+            let rows =
+                plans::execute(client, GET_WITH_VERSION, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
+            rows.into_iter().next().map(|row| {
+                (
+                    row.get::<JobStatusRow>(1).unwrap().expect("a status row"),
+                    row.get::<String>(2).unwrap().expect("job_state"),
+                    row.get::<i64>(3).unwrap().expect("state_version"),
+                )
+            })
+        })
+    })
+}
+
+/// The longest wait_for_durable_job may sleep, in seconds.
+const WAIT_TIMEOUT_LIMIT: f64 = 300.0;
+
+/// How often a waiter re-reads the job when no commit will wake it: no slot was free, or the
+/// library is not preloaded, or the change came from outside our functions (a manual UPDATE, a
+/// session still running the previous library).
+const FALLBACK_RECHECK: Duration = Duration::from_secs(1);
+
+#[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
+#[search_path(pg_catalog, pg_temp)]
+fn wait_for_durable_job(
+    job_id: Option<i64>,
+    known_version: default!(Option<i64>, "NULL"),
+    timeout_seconds: default!(Option<f64>, "30"),
+) -> SetOfIterator<'static, JobStatusRow> {
+    let job_id = arguments::required(job_id, "job_id");
+    let timeout_seconds = arguments::required(timeout_seconds, "timeout_seconds");
+    if !(0.0..=WAIT_TIMEOUT_LIMIT).contains(&timeout_seconds) {
+        arguments::invalid(&format!("timeout_seconds must be between 0 and {WAIT_TIMEOUT_LIMIT}"));
+    }
+    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+        // Its snapshot would never show the change it waits for.
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
+            "wait_for_durable_job needs a READ COMMITTED transaction",
+            "Under REPEATABLE READ or SERIALIZABLE the transaction's snapshot never shows the change it waits for."
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
+    // Published before the first read: a commit after that read sets the latch, so the sleep
+    // below returns at once, and no wake-up is missed between the read and the sleep.
+    let slot = WaiterSlot::take(job_id);
+    let row = loop {
+        unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
+        let Some((row, state, version)) = read_job_with_version(job_id) else {
+            break None;
+        };
+        let changed = match known_version {
+            Some(known) => version != known,
+            None => matches!(state.as_str(), "succeeded" | "failed" | "cancelled"),
+        };
+        let now = Instant::now();
+        if changed || now >= deadline {
+            break Some(row);
+        }
+        let mut sleep = deadline - now;
+        if !slot.is_woken_at_commit() || sleep > FALLBACK_RECHECK {
+            sleep = sleep.min(FALLBACK_RECHECK);
+        }
+        unsafe {
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                sleep.as_millis().max(1) as std::ffi::c_long,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+        }
+        // A query cancel or a terminate ends the wait here (57014, 57P01).
+        pgrx::check_for_interrupts!();
+    };
+    drop(slot);
+    SetOfIterator::new(row)
+}
+
+/// The job's status row, if the current role sees the job.
+pub fn read_job(job_id: i64) -> Option<JobStatusRow> {
+    let caller = caller();
+    as_extension_owner_of(|installed| {
+        let sees_all = sees_all_jobs(&caller, installed.owner);
+        Spi::connect_mut(|client| {
+            let rows = plans::execute(client, GET, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
+            rows.into_iter().next().map(|row| row.get::<JobStatusRow>(1).unwrap().expect("a status row"))
+        })
+    })
+}
+
+/// The filters of one listing, validated; a page cursor is bound to them.
+pub struct ListFilters {
+    pub queue_name: Option<String>,
+    /// Sorted, without repeats; empty means every state.
+    pub job_states: Vec<&'static str>,
+    pub job_kind: Option<String>,
+}
+
+impl ListFilters {
+    fn new(queue_name: Option<String>, job_states: Option<Vec<Option<String>>>, job_kind: Option<String>) -> Self {
+        let queue_name = queue_name.map(|name| arguments::name(Some(name), "queue_name"));
+        let job_kind = job_kind.map(|kind| arguments::name(Some(kind), "job_kind"));
+        let job_states = match job_states {
+            None => Vec::new(),
+            Some(states) if states.is_empty() => {
+                arguments::invalid("job_states must be NULL (every state) or a non-empty array")
+            }
+            Some(states) => {
+                let mut known: Vec<&'static str> = states
+                    .iter()
+                    .map(|state| {
+                        JOB_STATES.iter().copied().find(|known| Some(*known) == state.as_deref()).unwrap_or_else(|| {
+                            arguments::invalid(&format!(
+                                "job_states elements must be one of {}",
+                                JOB_STATES.join(", ")
+                            ))
+                        })
+                    })
+                    .collect();
+                known.sort_by_key(|state| JOB_STATES.iter().position(|s| s == state));
+                known.dedup();
+                known
+            }
+        };
+        ListFilters { queue_name, job_states, job_kind }
+    }
+
+    /// A 64-bit FNV-1a digest of the filters; a cursor carries it, so that it continues only the
+    /// listing it was made for. Stable across builds and servers (unlike std's hasher).
+    fn digest(&self) -> u64 {
+        let mut text = String::from("durable_jobs list v1");
+        for part in [self.queue_name.as_deref(), Some(&self.job_states.join(",")), self.job_kind.as_deref()] {
+            text.push('\u{0}');
+            match part {
+                Some(value) => {
+                    text.push('=');
+                    text.push_str(value);
+                }
+                None => text.push('-'),
+            }
+        }
+        text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
+    /// The text that follows the job id in each of this listing's cursors.
+    fn cursor_tag(&self) -> String {
+        format!("{:016x}", self.digest())
+    }
+
+    /// The job id a cursor continues after; 22023 for anything but a cursor of this listing.
+    fn continue_after(&self, page_cursor: &str) -> i64 {
+        let parsed = page_cursor
+            .split_once('-')
+            .filter(|(_, tag)| *tag == self.cursor_tag())
+            .and_then(|(job_id, _)| i64::from_str_radix(job_id, 16).ok())
+            .filter(|job_id| *job_id > 0);
+        parsed.unwrap_or_else(|| {
+            arguments::invalid("page_cursor is not a cursor of list_durable_jobs with these filters")
+        })
+    }
+
+    /// The listing statement. $1: list jobs below this id; $2: page size; $3: queue; $4: kind;
+    /// $5: the caller sees every job; $6: else the roles whose jobs it sees; $7: the cursor tag.
+    /// With states or a queue it merges one index range per state (newest first), so that a page
+    /// reads about a page of index entries however rare the states; without either, the
+    /// primary key from the cursor down.
+    pub fn statement(&self) -> String {
+        let filters = "j.job_id < $1
+              AND ($4::pg_catalog.text IS NULL OR j.job_kind = $4)
+              AND ($5 OR j.enqueued_by = ANY ($6::pg_catalog.name[]))";
+        let range = |state: Option<&str>| {
+            let mut conditions = String::new();
+            if let Some(state) = state {
+                conditions.push_str(&format!("j.job_state = '{state}' AND "));
+            }
+            if self.queue_name.is_some() {
+                conditions.push_str("j.queue_name = $3 AND ");
+            }
+            format!(
+                "(SELECT {} FROM durable_jobs.durable_job j WHERE {conditions}{filters}
+                  ORDER BY j.job_id DESC LIMIT $2)",
+                status_columns!()
+            )
+        };
+        let ranges: Vec<String> = match (self.job_states.as_slice(), &self.queue_name) {
+            ([], None) => vec![range(None)],
+            ([], Some(_)) => JOB_STATES.iter().map(|state| range(Some(state))).collect(),
+            (states, _) => states.iter().map(|state| range(Some(state))).collect(),
+        };
+        format!(
+            "SELECT ROW(page.*, pg_catalog.to_hex(page.job_id) || '-' || $7)::durable_jobs.durable_job_listing
+             FROM ({}) AS page
+             ORDER BY page.job_id DESC
+             LIMIT $2",
+            ranges.join(" UNION ALL ")
+        )
+    }
+}
+
+#[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
+#[search_path(pg_catalog, pg_temp)]
+fn list_durable_jobs(
+    queue_name: default!(Option<String>, "NULL"),
+    job_states: default!(Option<Vec<Option<String>>>, "NULL"),
+    job_kind: default!(Option<String>, "NULL"),
+    page_size: default!(Option<i32>, "100"),
+    page_cursor: default!(Option<String>, "NULL"),
+) -> SetOfIterator<'static, JobListingRow> {
+    let filters = ListFilters::new(queue_name, job_states, job_kind);
+    let page_size = arguments::required(page_size, "page_size");
+    if !(1..=1000).contains(&page_size) {
+        arguments::invalid("page_size must be between 1 and 1000");
+    }
+    let below = page_cursor.map_or(i64::MAX, |cursor| filters.continue_after(&cursor));
+    let caller = caller();
+    let rows = as_extension_owner_of(|installed| {
+        let sees_all = sees_all_jobs(&caller, installed.owner);
+        Spi::connect_mut(|client| {
+            let visible: Vec<String> = if sees_all {
+                Vec::new()
+            } else {
+                plans::execute(client, VISIBLE_ROLES, &[caller.role_oid.into()])
+                    .first()
+                    .get_one::<Vec<String>>()
+                    .expect("visible roles")
+                    .unwrap_or_default()
+            };
+            let args = [
+                below.into(),
+                i64::from(page_size).into(),
+                filters.queue_name.as_deref().into(),
+                filters.job_kind.as_deref().into(),
+                sees_all.into(),
+                visible.into(),
+                filters.cursor_tag().into(),
+            ];
+            // Planned for these values on every call (a listing is not a hot path), so that the
+            // plan always fits the page and the states asked for.
+            client
+                .update(&filters.statement(), None, &args)
+                .expect("list_durable_jobs")
+                .map(|row| row.get::<JobListingRow>(1).unwrap().expect("a listing row"))
+                .collect::<Vec<_>>()
+        })
+    });
+    SetOfIterator::new(rows)
+}

@@ -1,0 +1,160 @@
+//! Waking the sessions that wait for a job to change, when the transaction that changed it
+//! commits. A waiter publishes (its process, the job) in a shared slot and sleeps on its latch;
+//! every transition our statements make notes the job, and at commit, once the change is
+//! visible, the latches of the jobs' waiters are set. Nothing is sent when nobody waits, and no
+//! NOTIFY (which takes a cluster-wide lock at commit) is involved.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::{PGRXSharedMemory, PgAtomic, PgXactCallbackEvent};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, Ordering};
+
+/// Sessions that can wait at once through a slot; more wait by re-reading once a second.
+pub const WAITER_SLOTS: usize = 1024;
+
+pub struct WaiterSlots {
+    /// Slots in use, so that a commit with no waiter scans nothing.
+    in_use: AtomicU32,
+    /// The waiter's `pgprocno + 1`; 0 when the slot is free.
+    owner: [AtomicI32; WAITER_SLOTS],
+    /// The job it waits for.
+    job_id: [AtomicI64; WAITER_SLOTS],
+}
+
+impl Default for WaiterSlots {
+    fn default() -> Self {
+        WaiterSlots {
+            in_use: AtomicU32::new(0),
+            owner: std::array::from_fn(|_| AtomicI32::new(0)),
+            job_id: std::array::from_fn(|_| AtomicI64::new(0)),
+        }
+    }
+}
+
+unsafe impl PGRXSharedMemory for WaiterSlots {}
+
+static SLOTS: PgAtomic<WaiterSlots> = unsafe { PgAtomic::new(c"durable_jobs_waiter_slots") };
+
+/// Set while preloading (inherited by forked backends); without it, waiters re-read once a second.
+static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
+
+/// Whether this backend registered the exit hook that frees its slots.
+static EXIT_HOOK: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// The jobs this backend's current transaction changed; their waiters wake at its commit.
+    static CHANGED: RefCell<Vec<i64>> = const { RefCell::new(Vec::new()) };
+}
+
+pub fn init_shared_memory() {
+    pgrx::pg_shmem_init!(SLOTS);
+    SHARED_MEMORY.store(true, Ordering::Relaxed);
+}
+
+fn my_owner_tag() -> i32 {
+    unsafe { (*pg_sys::MyProc).pgprocno + 1 }
+}
+
+/// A slot held while its session waits; freed when dropped (also when an error unwinds).
+pub struct WaiterSlot(Option<usize>);
+
+impl WaiterSlot {
+    /// Takes a free slot for `job_id`; without one (none free, or no shared memory) the waiter
+    /// falls back to re-reading.
+    pub fn take(job_id: i64) -> WaiterSlot {
+        if !SHARED_MEMORY.load(Ordering::Relaxed) {
+            return WaiterSlot(None);
+        }
+        if !EXIT_HOOK.swap(true, Ordering::Relaxed) {
+            // A session ended by FATAL (terminate, postmaster death) does not unwind.
+            unsafe extern "C-unwind" fn free_my_slots(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
+                let slots = SLOTS.get();
+                let me = my_owner_tag();
+                for index in 0..WAITER_SLOTS {
+                    if slots.owner[index].load(Ordering::Relaxed) == me {
+                        release(index);
+                    }
+                }
+            }
+            unsafe { pg_sys::before_shmem_exit(Some(free_my_slots), pg_sys::Datum::from(0)) };
+        }
+        let slots = SLOTS.get();
+        let me = my_owner_tag();
+        for index in 0..WAITER_SLOTS {
+            if slots.owner[index].compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                slots.job_id[index].store(job_id, Ordering::SeqCst);
+                slots.in_use.fetch_add(1, Ordering::SeqCst);
+                return WaiterSlot(Some(index));
+            }
+        }
+        WaiterSlot(None)
+    }
+
+    /// Whether a commit will wake this waiter (else it must re-read on its own).
+    pub fn is_woken_at_commit(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+fn release(index: usize) {
+    let slots = SLOTS.get();
+    slots.job_id[index].store(0, Ordering::SeqCst);
+    slots.in_use.fetch_sub(1, Ordering::SeqCst);
+    slots.owner[index].store(0, Ordering::Release);
+}
+
+impl Drop for WaiterSlot {
+    fn drop(&mut self) {
+        if let Some(index) = self.0.take() {
+            release(index);
+        }
+    }
+}
+
+/// Notes that the current transaction changed `job_ids`, so that their waiters wake when it
+/// commits (a rollback wakes no one; a spurious wake-up only makes a waiter read again).
+pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>) {
+    if !SHARED_MEMORY.load(Ordering::Relaxed) {
+        return;
+    }
+    let first = CHANGED.with(|changed| {
+        let mut changed = changed.borrow_mut();
+        let was_empty = changed.is_empty();
+        changed.extend(job_ids);
+        was_empty && !changed.is_empty()
+    });
+    if !first {
+        return;
+    }
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
+        let changed = CHANGED.with(|changed| std::mem::take(&mut *changed.borrow_mut()));
+        wake_waiters(&changed);
+    });
+    for event in [PgXactCallbackEvent::Abort, PgXactCallbackEvent::Prepare] {
+        // A prepared transaction commits later, maybe from another session: its waiters see the
+        // change at their next once-a-second re-read.
+        pgrx::register_xact_callback(event, || CHANGED.with(|changed| changed.borrow_mut().clear()));
+    }
+}
+
+/// Sets the latch of every waiter on one of `job_ids`. Runs after the commit is visible.
+fn wake_waiters(job_ids: &[i64]) {
+    let slots = SLOTS.get();
+    if slots.in_use.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    let mut job_ids = job_ids.to_vec();
+    job_ids.sort_unstable();
+    job_ids.dedup();
+    for index in 0..WAITER_SLOTS {
+        let owner = slots.owner[index].load(Ordering::Acquire);
+        if owner == 0 || job_ids.binary_search(&slots.job_id[index].load(Ordering::SeqCst)).is_err() {
+            continue;
+        }
+        unsafe {
+            let process = (*pg_sys::ProcGlobal).allProcs.add((owner - 1) as usize);
+            pg_sys::SetLatch(&raw mut (*process).procLatch);
+        }
+    }
+}
