@@ -392,3 +392,157 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         assert!(blocks <= 60, "{what}: {blocks} blocks for a page of 100");
     }
 }
+
+/// A job that failed for good after one attempt, as an external worker would fail it.
+fn failed_job(payload: &str) -> i64 {
+    let job_id = Spi::get_one_with_args::<i64>(
+        "SELECT durable_jobs.enqueue_durable_job('k', $1::jsonb, max_attempts => 1)",
+        &[payload.into()],
+    )
+    .unwrap()
+    .unwrap();
+    let (claimed, token) = claim("w").unwrap();
+    assert_eq!(claimed, job_id);
+    assert_eq!(fail(job_id, "w", token, "invalid_request"), "failed");
+    job_id
+}
+
+#[pg_test]
+fn replay_runs_a_failed_job_again_under_its_id_with_its_payload() {
+    let job_id = failed_job(r#"{"to": "a@example.com", "n": 1}"#);
+    let version_before = state_version(job_id);
+    let replayed = one::<String>(&format!(
+        r#"SELECT concat_ws('|', job_id, job_state, attempt_count, max_attempts, replay_count, state_version,
+                           finished_at IS NULL, last_failure_code, run_after <= now())
+           FROM durable_jobs.replay_durable_job({job_id}, '{{"n": 1, "to": "a@example.com"}}', 3)"#
+    ));
+    assert_eq!(replayed, format!("{job_id}|available|1|4|1|{}|t|invalid_request|t", version_before + 1));
+    assert_eq!(
+        job_field::<String>(job_id, "payload::text").as_deref(),
+        Some(r#"{"n": 1, "to": "a@example.com"}"#),
+        "the payload is back"
+    );
+    let (claimed, token) = claim("w").unwrap();
+    assert_eq!(claimed, job_id, "the replayed job is claimed again");
+    assert_eq!(job_field::<i32>(job_id, "attempt_count"), Some(2));
+    assert_eq!(complete(job_id, "w", token), "succeeded");
+    let audit = one::<String>(&format!(
+        "SELECT string_agg(concat_ws('|', action, acted_by, previous_state, previous_failure_code), ';')
+         FROM durable_jobs.durable_job_audit WHERE job_id = {job_id}"
+    ));
+    assert_eq!(audit, "replay|postgres|failed|invalid_request");
+
+    let cancelled = enqueue("k", "{}");
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[cancelled.into()]).unwrap();
+    let state = one::<String>(&format!(
+        "SELECT job_state || '|' || replay_count FROM durable_jobs.replay_durable_job({cancelled}, '{{}}')"
+    ));
+    assert_eq!(state, "available|1", "a cancelled job too, with one extra attempt by default");
+    assert_eq!(job_field::<i32>(cancelled, "max_attempts"), Some(1));
+}
+
+#[pg_test]
+fn replay_refuses_other_payloads_states_and_bad_arguments_and_changes_nothing() {
+    let job_id = failed_job(r#"{"n": 1}"#);
+    let call = |payload: &str, extra: &str| {
+        format!("SELECT * FROM durable_jobs.replay_durable_job({job_id}, '{payload}', {extra})")
+    };
+    assert_rejected(&call(r#"{"n": 2}"#, "1"), "22023");
+    assert_rejected(&call(r#"{"n": 1}"#, "0"), "22023");
+    assert_rejected(&call(r#"{"n": 1}"#, "1001"), "22023");
+    assert_rejected(&call(r#"{"n": 1}"#, "1000"), "22023"); // one attempt made: 1001 in all
+    assert_rejected(&call(r#"{"n": 1}"#, "NULL"), "22004");
+    assert_rejected(&format!("SELECT * FROM durable_jobs.replay_durable_job({job_id}, NULL)"), "22004");
+    assert_rejected("SELECT * FROM durable_jobs.replay_durable_job(NULL, '{}')", "22004");
+
+    let waiting = enqueue("k", "{}");
+    let running = enqueue("k", "{}");
+    Spi::run_with_args("UPDATE durable_jobs.durable_job SET priority = 9 WHERE job_id = $1", &[running.into()])
+        .unwrap();
+    let (_, token) = claim("w").unwrap();
+    let succeeded = enqueue("k", "{}");
+    Spi::run_with_args("UPDATE durable_jobs.durable_job SET priority = 9 WHERE job_id = $1", &[succeeded.into()])
+        .unwrap();
+    let (done, done_token) = claim("w").unwrap();
+    assert_eq!(done, succeeded);
+    complete(done, "w", done_token);
+    for id in [waiting, running, succeeded] {
+        assert_rejected(&format!("SELECT * FROM durable_jobs.replay_durable_job({id}, '{{}}')"), "55000");
+    }
+    assert_eq!(complete(running, "w", token), "succeeded");
+    assert_eq!(
+        one::<i64>(&format!("SELECT count(*) FROM durable_jobs.replay_durable_job({}, '{{}}')", job_id + 1000)),
+        0,
+        "an unknown job: no row"
+    );
+    // A job from before 0.4.0 without a key kept no fingerprint.
+    let old = failed_job("{}");
+    Spi::run_with_args("UPDATE durable_jobs.durable_job SET payload_sha256 = NULL WHERE job_id = $1", &[old.into()])
+        .unwrap();
+    assert_rejected(&format!("SELECT * FROM durable_jobs.replay_durable_job({old}, '{{}}')"), "55000");
+}
+
+#[pg_test]
+fn replay_of_another_roles_job_is_refused() {
+    Spi::run(
+        "CREATE ROLE dj_replay_owner; CREATE ROLE dj_replay_stranger;
+         GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_replay_owner, dj_replay_stranger;
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                                   durable_jobs.cancel_durable_job(bigint),
+                                   durable_jobs.replay_durable_job(bigint, jsonb, integer)
+             TO dj_replay_owner, dj_replay_stranger;
+         SET LOCAL ROLE dj_replay_owner",
+    )
+    .unwrap();
+    let job_id = enqueue("k", "{}");
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[job_id.into()]).unwrap();
+    Spi::run("SET LOCAL ROLE dj_replay_stranger").unwrap();
+    assert_rejected(&format!("SELECT * FROM durable_jobs.replay_durable_job({job_id}, '{{}}')"), "42501");
+    Spi::run("SET LOCAL ROLE dj_replay_owner").unwrap();
+    assert_eq!(
+        one::<String>(&format!("SELECT job_state FROM durable_jobs.replay_durable_job({job_id}, '{{}}')")),
+        "available"
+    );
+}
+
+#[pg_test]
+fn wait_returns_at_once_when_the_job_already_differs_and_at_the_timeout_otherwise() {
+    let job_id = enqueue("k", "{}");
+    let started = std::time::Instant::now();
+    assert_eq!(
+        one::<i64>(&format!("SELECT state_version FROM durable_jobs.wait_for_durable_job({job_id}, 0, 5)")),
+        1,
+        "a known version that differs: at once"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        one::<String>(&format!("SELECT job_state FROM durable_jobs.wait_for_durable_job({job_id}, 1, 0.3)")),
+        "available",
+        "at the timeout, the current row anyway"
+    );
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        one::<String>(&format!("SELECT job_state FROM durable_jobs.wait_for_durable_job({job_id}, NULL, 0.2)")),
+        "available",
+        "NULL waits for a terminal state, until the timeout"
+    );
+    assert!(started.elapsed() >= std::time::Duration::from_millis(200));
+    Spi::run_with_args("SELECT durable_jobs.cancel_durable_job($1)", &[job_id.into()]).unwrap();
+    assert_eq!(
+        one::<String>(&format!("SELECT job_state FROM durable_jobs.wait_for_durable_job({job_id})")),
+        "cancelled",
+        "a terminal job: at once"
+    );
+    assert_eq!(
+        one::<i64>(&format!("SELECT count(*) FROM durable_jobs.wait_for_durable_job({}, NULL, 0)", job_id + 1000)),
+        0,
+        "an unknown job: no row"
+    );
+    for arguments in ["1, -1", "1, 300.5", "1, 'NaN'"] {
+        assert_rejected(&format!("SELECT * FROM durable_jobs.wait_for_durable_job({job_id}, {arguments})"), "22023");
+    }
+    assert_rejected("SELECT * FROM durable_jobs.wait_for_durable_job(NULL)", "22004");
+    assert_rejected(&format!("SELECT * FROM durable_jobs.wait_for_durable_job({job_id}, 1, NULL)"), "22004");
+}

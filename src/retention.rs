@@ -1,9 +1,10 @@
-//! Retention: deleting finished jobs. The background workers do it on their own every second
+//! Retention: deleting finished jobs, and audit rows of the same age. The background workers do
+//! it on their own every second
 //! (`durable_jobs.retention_period`); `prune_durable_jobs` lets a deployment that runs only
 //! external workers do the same from a scheduler.
 
 use crate::arguments;
-use crate::privilege::as_extension_owner;
+use crate::privilege::{as_extension_owner_of, Installed};
 use pgrx::prelude::*;
 
 /// Most jobs one call of `prune_durable_jobs` may delete, so that one call stays one short
@@ -22,11 +23,24 @@ pub const DELETE_FINISHED: &str = "
         FOR UPDATE SKIP LOCKED)
     DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id";
 
-/// Deletes up to `limit` jobs finished more than `older_than` ago; returns how many it deleted.
-/// The caller has pinned search_path and has the privileges of the extension owner.
-pub fn delete_finished_jobs(older_than: Interval, limit: i64) -> i64 {
+// Audit rows age like the jobs they are about (schemas from 0.4.0 on).
+pub const DELETE_OLD_AUDIT: &str = "
+    WITH expired AS (
+        SELECT audit_id FROM durable_jobs.durable_job_audit
+        WHERE acted_at < pg_catalog.now() - $1
+        ORDER BY acted_at
+        LIMIT $2)
+    DELETE FROM durable_jobs.durable_job_audit a USING expired WHERE a.audit_id = expired.audit_id";
+
+/// Deletes up to `limit` jobs finished more than `older_than` ago, and up to `limit` audit rows
+/// as old; returns how many jobs it deleted. The caller has pinned search_path and has the
+/// privileges of the extension owner.
+pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i64) -> i64 {
     Spi::connect_mut(|client| {
         let args = [older_than.into(), limit.into()];
+        if installed.has_status_api {
+            client.update(DELETE_OLD_AUDIT, None, &args).expect("delete old audit rows");
+        }
         client.update(DELETE_FINISHED, None, &args).expect("delete finished jobs").len() as i64
     })
 }
@@ -44,5 +58,5 @@ fn prune_durable_jobs(older_than: Option<Interval>, max_jobs: default!(Option<i3
     if !(1..=PRUNE_MAX_JOBS_LIMIT).contains(&max_jobs) {
         arguments::invalid(&format!("max_jobs must be between 1 and {PRUNE_MAX_JOBS_LIMIT}"));
     }
-    as_extension_owner(|| delete_finished_jobs(older_than, i64::from(max_jobs)))
+    as_extension_owner_of(|installed| delete_finished_jobs(installed, older_than, i64::from(max_jobs)))
 }

@@ -11,7 +11,7 @@ use crate::execution;
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
-use crate::privilege::{as_extension_owner, with_worker_settings};
+use crate::privilege::{as_extension_owner_of, with_worker_settings};
 use crate::retention;
 use crate::runner;
 use crate::settings;
@@ -363,8 +363,8 @@ fn prune_finished_jobs() {
                 return 0;
             }
             let older_than = Interval::from_seconds(f64::from(retention));
-            as_extension_owner(|| {
-                with_worker_settings(|| retention::delete_finished_jobs(older_than, PRUNE_BATCH))
+            as_extension_owner_of(|installed| {
+                with_worker_settings(|| retention::delete_finished_jobs(installed, older_than, PRUNE_BATCH))
             })
         });
         if deleted < PRUNE_BATCH {

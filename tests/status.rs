@@ -1,0 +1,185 @@
+//! The status API across sessions: waiters wake when the commit that changes their job lands,
+//! from an external worker's completion, the background worker, a cancel or a replay; they sleep
+//! on a latch (not pg_sleep), end at once on a query cancel, and refuse snapshots that could
+//! never see the change.
+
+use harness::{claim, complete, sqlstate, wait_until, Cluster, RECORD_HANDLER, WORKER_CONF};
+use postgres::Client;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const PRELOADED: &str = "shared_preload_libraries = 'durable_jobs'";
+
+fn enqueue(client: &mut Client, kind: &str) -> i64 {
+    client
+        .query_one("SELECT durable_jobs.enqueue_durable_job($1, '{\"n\": 1}')", &[&kind])
+        .expect("enqueue")
+        .get(0)
+}
+
+/// Starts a session that waits for `job_id` to leave `known_version` (NULL: to end); sends the
+/// job state it saw and when it returned.
+fn spawn_waiter(
+    cluster: &Cluster,
+    job_id: i64,
+    known_version: Option<i64>,
+    timeout_seconds: f64,
+) -> mpsc::Receiver<(Option<String>, Instant)> {
+    let mut client = cluster.connect();
+    let (sender, receiver) = mpsc::channel();
+    thread::spawn(move || {
+        let row = client
+            .query_opt(
+                "SELECT job_state FROM durable_jobs.wait_for_durable_job($1, $2, $3)",
+                &[&job_id, &known_version, &timeout_seconds],
+            )
+            .expect("wait_for_durable_job");
+        let _ = sender.send((row.map(|r| r.get(0)), Instant::now()));
+    });
+    receiver
+}
+
+/// The pids of sessions now inside wait_for_durable_job, and their wait events.
+fn waiting_sessions(client: &mut Client) -> Vec<(i32, Option<String>, Option<String>)> {
+    client
+        .query(
+            "SELECT pid, wait_event_type, wait_event FROM pg_stat_activity
+             WHERE query LIKE '%wait_for_durable_job%' AND pid <> pg_backend_pid() AND state = 'active'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
+
+#[test]
+fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut producer = cluster.connect();
+    let jobs: Vec<i64> = (0..20).map(|_| enqueue(&mut producer, "external")).collect();
+    let waiters: Vec<_> = jobs.iter().map(|job_id| spawn_waiter(&cluster, *job_id, None, 60.0)).collect();
+    wait_until(Duration::from_secs(20), "20 sessions waiting", || waiting_sessions(&mut producer).len() == 20);
+    for (_, wait_event_type, wait_event) in waiting_sessions(&mut producer) {
+        assert_eq!(wait_event_type.as_deref(), Some("Extension"), "a latch wait, not pg_sleep");
+        assert_ne!(wait_event.as_deref(), Some("PgSleep"));
+    }
+
+    let mut worker = cluster.connect();
+    for (index, job_id) in jobs.iter().enumerate() {
+        let claimed = claim(&mut worker, "external-1", 60).expect("a job");
+        assert_eq!(claimed.job_id, *job_id);
+        assert!(
+            waiters[index].recv_timeout(Duration::from_millis(300)).is_err(),
+            "a claim is no end: the waiter for a terminal state sleeps on"
+        );
+        assert_eq!(complete(&mut worker, &claimed, "external-1"), "succeeded");
+        let committed = Instant::now();
+        let (state, returned) = waiters[index].recv_timeout(Duration::from_secs(10)).expect("the waiter returns");
+        assert_eq!(state.as_deref(), Some("succeeded"));
+        // Far below the once-a-second re-read: the commit woke it.
+        let latency = returned.saturating_duration_since(committed);
+        assert!(latency < Duration::from_millis(500), "job {index}: woke {latency:?} after the commit");
+    }
+}
+
+#[test]
+fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncommitted() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut producer = cluster.connect();
+    let job_id = enqueue(&mut producer, "external");
+    let waiter = spawn_waiter(&cluster, job_id, Some(1), 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut producer).len() == 1);
+
+    let mut worker = cluster.connect();
+    let mut claiming = worker.transaction().unwrap();
+    claiming.query_one("SELECT job_id FROM durable_jobs.claim_next_durable_job('w')", &[]).unwrap();
+    assert!(waiter.recv_timeout(Duration::from_millis(1500)).is_err(), "an uncommitted claim wakes no one");
+    claiming.commit().unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(5)).expect("the claim's commit wakes it");
+    assert_eq!(state.as_deref(), Some("running"));
+}
+
+#[test]
+fn a_waiter_wakes_when_the_background_worker_commits_or_a_cancel_or_replay_does() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute(RECORD_HANDLER).unwrap();
+    // The handler takes a second, so the waiter is asleep before the worker commits; it returns
+    // far sooner after the job's finished_at than its once-a-second re-read would, every time.
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep(1); INSERT INTO public.effects VALUES (7) $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');",
+        )
+        .unwrap();
+    for round in 0..4 {
+        let job_id = enqueue(&mut client, "slow");
+        let mut waiting = cluster.connect();
+        let row = waiting
+            .query_one(
+                "SELECT job_state, extract(epoch FROM clock_timestamp() - finished_at)::float8
+                 FROM durable_jobs.wait_for_durable_job($1, NULL, 30)",
+                &[&job_id],
+            )
+            .unwrap();
+        let (state, seconds_after_finish): (String, f64) = (row.get(0), row.get(1));
+        assert_eq!(state, "succeeded");
+        assert!(seconds_after_finish < 0.3, "round {round}: returned {seconds_after_finish} s after the worker finished the job");
+    }
+    assert_eq!(
+        client.query_one("SELECT count(*) FROM public.effects WHERE n = 7", &[]).unwrap().get::<_, i64>(0),
+        4
+    );
+
+    // Cancel and replay wake their waiters too.
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off; SELECT pg_reload_conf()").unwrap();
+    thread::sleep(Duration::from_millis(300));
+    let job_id = enqueue(&mut client, "external");
+    let waiter = spawn_waiter(&cluster, job_id, Some(1), 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut client).len() == 1);
+    client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(5)).expect("the cancel wakes it");
+    assert_eq!(state.as_deref(), Some("cancelled"));
+    let version: i64 = client
+        .query_one("SELECT state_version FROM durable_jobs.get_durable_job($1)", &[&job_id])
+        .unwrap()
+        .get(0);
+    let waiter = spawn_waiter(&cluster, job_id, Some(version), 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut client).len() == 1);
+    client.query("SELECT * FROM durable_jobs.replay_durable_job($1, '{\"n\": 1}')", &[&job_id]).unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(5)).expect("the replay wakes it");
+    assert_eq!(state.as_deref(), Some("available"));
+}
+
+#[test]
+fn a_query_cancel_ends_a_wait_at_once_and_snapshots_that_cannot_see_change_are_refused() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    let job_id = enqueue(&mut client, "external");
+    let mut waiting = cluster.connect();
+    let (sender, receiver) = mpsc::channel();
+    thread::spawn(move || {
+        let outcome = waiting.query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 60)", &[&job_id]);
+        let _ = sender.send(outcome.err().map(|e| sqlstate(&e)));
+    });
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut client).len() == 1);
+    let pid = waiting_sessions(&mut client)[0].0;
+    client.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
+    let outcome = receiver.recv_timeout(Duration::from_secs(2)).expect("the cancel ends the wait at once");
+    assert_eq!(outcome.as_deref(), Some("57014"));
+
+    for isolation in ["REPEATABLE READ", "SERIALIZABLE"] {
+        let transaction = client.build_transaction().isolation_level(match isolation {
+            "SERIALIZABLE" => postgres::IsolationLevel::Serializable,
+            _ => postgres::IsolationLevel::RepeatableRead,
+        });
+        let mut transaction = transaction.start().unwrap();
+        let error = transaction
+            .query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 1)", &[&job_id])
+            .expect_err(isolation);
+        assert!(sqlstate(&error).starts_with("25"), "{isolation}: {}", sqlstate(&error));
+    }
+}
