@@ -92,3 +92,34 @@ fn documented_metrics_match_the_function() {
     let installed = catalog_list("SELECT metric_name FROM durable_jobs.durable_job_metrics()");
     assert_eq!(doc_table_keys("### durable_job_metrics"), installed, "same names, same order");
 }
+
+#[pg_test]
+fn documented_types_match_the_catalog() {
+    let columns = |type_name: &str| {
+        catalog_list(&format!(
+            "SELECT a.attname || ' ' || format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+             WHERE a.attrelid = 'durable_jobs.{type_name}'::regclass AND a.attnum > 0 ORDER BY a.attnum"
+        ))
+    };
+    let documented = |heading: &str| -> Vec<String> {
+        doc_section(heading)
+            .into_iter()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .map(|l| {
+                let mut cells = l.split('|');
+                let name = cells.next().unwrap().trim().trim_end_matches('`');
+                format!("{name} {}", cells.next().unwrap().trim())
+            })
+            .collect()
+    };
+    let status = documented("### durable_job_status");
+    assert_eq!(status, columns("durable_job_status"), "same columns, same order");
+    let mut listing = status;
+    listing.extend(documented("### durable_job_listing"));
+    assert_eq!(listing, columns("durable_job_listing"));
+    let types = catalog_list(
+        "SELECT t.typname::text FROM pg_type t JOIN pg_class c ON c.oid = t.typrelid
+         WHERE t.typnamespace = 'durable_jobs'::regnamespace AND c.relkind = 'c' ORDER BY 1",
+    );
+    assert_eq!(types, vec!["durable_job_listing", "durable_job_status"], "every composite type is documented");
+}

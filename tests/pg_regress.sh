@@ -29,8 +29,11 @@ for input in "$here/$1/$inputs"/*."$suffix"; do
     tests+=("$(basename "$input" ."$suffix")")
 done
 
+# Preloaded as in production, so that waiters are woken by commits (the worker stays off).
+echo "shared_preload_libraries = 'durable_jobs'" > "$work/preload.conf"
 cd "$work"
 if ! "${run[@]}" "$regress" --temp-instance="$work/instance" --bindir="$bindir" \
+        --temp-config="$work/preload.conf" \
         --inputdir="$work" --outputdir="$work" --load-extension=durable_jobs "${tests[@]}"; then
     cat "$work/regression.diffs" >&2 || true
     exit 1
