@@ -240,10 +240,13 @@ const HELD_LEASES: &str = "
     ORDER BY c.position";
 
 // Gives claimed jobs that never started back, with their attempt: available again in a second.
+// Only the background worker runs it, which waits for a schema of its own version.
 const RELEASE_UNSTARTED: &str = concat!(
     "
     UPDATE durable_jobs.durable_job j
-    SET job_state = 'available', attempt_count = j.attempt_count - 1,
+    SET job_state = 'available', attempt_count = j.attempt_count - 1, ",
+    new_state_version!(),
+    "
         run_after = pg_catalog.clock_timestamp() + interval '1 second', ",
     release_lease!(),
     "
@@ -508,7 +511,8 @@ pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
         Spi::connect_mut(|client| {
             plans::execute(client, RELEASE_UNSTARTED, &[ids.into(), tokens.into(), worker_id.into()]);
         })
-    })
+    });
+    waiters::wake_waiters_at_commit(jobs.iter().map(|(id, _)| *id));
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
