@@ -307,5 +307,6 @@ fn the_claim_is_an_index_scan_in_claim_order() {
     .unwrap();
     let plan = format!("{:?}", plan.0);
     assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
-    assert!(!plan.contains("\"Node Type\": String(\"Sort\")"), "no sort of the whole queue: {plan}");
+    // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
+    assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
 }
