@@ -11,6 +11,9 @@ DROP FUNCTION durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8
 DROP FUNCTION durable_jobs.replay_durable_job(pg_catalog.int8, pg_catalog.jsonb, pg_catalog.int4);
 DROP TYPE durable_jobs.durable_job_listing;
 DROP TYPE durable_jobs.durable_job_status;
+-- Out of the extension first, so that pg_dump's list of its data tables forgets them too.
+ALTER EXTENSION durable_jobs DROP SEQUENCE durable_jobs.durable_job_audit_audit_id_seq;
+ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_audit;
 DROP TABLE durable_jobs.durable_job_audit;
 
 DROP INDEX durable_jobs.durable_job_state_listing_idx;
