@@ -20,12 +20,11 @@ const DESCRIBE_ROUTINE: &str = "
     FROM pg_catalog.pg_proc p WHERE p.oid = $1";
 
 /// Whether the caller may replace or remove the registration of a kind; NULL when there is none.
-const MAY_CHANGE_REGISTRATION: &str = "
-    SELECT $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                         WHERE r.rolname = h.registered_by
-                           AND pg_catalog.pg_has_role($2, r.oid, 'USAGE'))
-    FROM durable_jobs.durable_job_handler h WHERE h.job_kind = $1
-    FOR UPDATE";
+const MAY_CHANGE_REGISTRATION: &str = concat!(
+    "SELECT ",
+    crate::has_privileges_of_role!("$3", "$2", "h.registered_by"),
+    " FROM durable_jobs.durable_job_handler h WHERE h.job_kind = $1 FOR UPDATE"
+);
 
 /// The registration upsert, storing the handler as `$handler`, an expression over the oid $2.
 /// An existing registration is replaced only when the caller ($4, superuser $5) has the
@@ -41,9 +40,9 @@ macro_rules! upsert_handler {
              ON CONFLICT (job_kind) DO UPDATE
              SET handler = excluded.handler, registered_by = excluded.registered_by,
                  registered_at = pg_catalog.now()
-             WHERE $5 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                                 WHERE r.rolname = h.registered_by
-                                   AND pg_catalog.pg_has_role($4, r.oid, 'USAGE'))
+             WHERE ",
+            crate::has_privileges_of_role!("$5", "$4", "h.registered_by"),
+            "
              RETURNING 1"
         )
     };

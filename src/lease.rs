@@ -45,7 +45,7 @@ macro_rules! lease_fence {
 // touch disjoint rows (attempts used up or not). `$claimed` and `$expired` add the status
 // columns' changes where the schema has them.
 macro_rules! claim_statement {
-    ($kind_filter:literal, $claimed:expr, $expired:expr) => {
+    ($kind_filter:expr, $claimed:expr, $expired:expr) => {
         concat!(
                 "
                 WITH exhausted AS (
@@ -119,19 +119,17 @@ macro_rules! expiry_columns {
 }
 
 // The SQL API's claim takes any kind ($4 is false).
-pub(crate) const CLAIM: &str = claim_statement!(
-    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))",
-    new_state_version!(),
-    expiry_columns!()
-);
+macro_rules! any_kind {
+    () => {
+        "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))"
+    };
+}
+
+pub(crate) const CLAIM: &str = claim_statement!(any_kind!(), new_state_version!(), expiry_columns!());
 
 // The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
 // durable_jobs UPDATE.
-pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(
-    "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))",
-    "",
-    ""
-);
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "");
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
 // serves: a superuser's registration serves every role, another role's only the roles that have
@@ -258,14 +256,15 @@ const RELEASE_UNSTARTED: &str = concat!(
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may cancel it too.
-const LOCK_FOR_CANCEL: &str = "
-    SELECT j.job_state, j.last_failure_code,
-           $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                         WHERE r.rolname = j.enqueued_by
-                           AND pg_catalog.pg_has_role($2, r.oid, 'USAGE'))
+const LOCK_FOR_CANCEL: &str = concat!(
+    "
+    SELECT j.job_state, j.last_failure_code, ",
+    crate::has_privileges_of_role!("$3", "$2", "j.enqueued_by"),
+    "
     FROM durable_jobs.durable_job j
     WHERE j.job_id = $1
-    FOR UPDATE";
+    FOR UPDATE"
+);
 
 macro_rules! cancel_statement {
     ($status_columns:expr) => {
@@ -451,7 +450,7 @@ pub fn fail_job(
     code: FailureCode,
     sqlstate: Option<&str>,
 ) -> &'static str {
-    let args = [
+    let mut args: Vec<DatumWithOid> = vec![
         job_id.into(),
         worker_id.into(),
         lease_token.into(),
@@ -462,8 +461,8 @@ pub fn fail_job(
     ];
     let outcome = as_extension_owner_of(|installed| {
         if installed.has_status_api {
-            let [a1, a2, a3, a4, a5, a6, a7] = args;
-            first_value_of::<String>(FAIL, &[a1, a2, a3, a4, a5, a6, a7, sqlstate.into()])
+            args.push(sqlstate.into());
+            first_value_of::<String>(FAIL, &args)
         } else {
             first_value_of::<String>(FAIL_ON_OLD_SCHEMA, &args)
         }
@@ -478,40 +477,40 @@ pub fn fail_job(
     }
 }
 
-/// Renews the leases of `jobs` held by `worker_id`; returns (job_id, new expiry in Unix
-/// microseconds) for each lease that was still live.
-pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Vec<(i64, i64)> {
-    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
+/// Runs one of the worker's statements over a set of leases, as the extension owner: $1 their
+/// job ids, $2 their tokens, $3 `worker_id`, then `more`; returns each row's two columns.
+fn over_leases<T: FromDatum + IntoDatum>(
+    statement: &str,
+    leases: &[(i64, Uuid)],
+    worker_id: &str,
+    more: Option<DatumWithOid>,
+) -> Vec<(i64, T)> {
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
+    let args: Vec<DatumWithOid> = [ids.into(), tokens.into(), worker_id.into()].into_iter().chain(more).collect();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            let args = [ids.into(), tokens.into(), worker_id.into(), f64::from(lease_seconds).into()];
-            plans::execute(client, RENEW_BATCH, &args)
+            plans::execute(client, statement, &args)
                 .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
                 .collect()
         })
     })
+}
+
+/// Renews the leases of `jobs` held by `worker_id`; returns (job_id, new expiry in Unix
+/// microseconds) for each lease that was still live.
+pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Vec<(i64, i64)> {
+    over_leases(RENEW_BATCH, jobs, worker_id, Some(f64::from(lease_seconds).into()))
 }
 
 /// The leases among `leases` that `worker_id` still holds, live, in their order.
 pub fn held_leases(leases: &[(i64, Uuid)], worker_id: &str) -> Vec<(i64, Uuid)> {
-    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            plans::execute(client, HELD_LEASES, &[ids.into(), tokens.into(), worker_id.into()])
-                .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
-                .collect()
-        })
-    })
+    over_leases(HELD_LEASES, leases, worker_id, None)
 }
 
 /// Gives `jobs`, claimed by `worker_id` but never started, back to the queue with their attempt.
 pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
-    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
-    as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            plans::execute(client, RELEASE_UNSTARTED, &[ids.into(), tokens.into(), worker_id.into()]);
-        })
-    });
+    // No rows come back: the statement returns none.
+    over_leases::<i64>(RELEASE_UNSTARTED, jobs, worker_id, None);
     waiters::wake_waiters_at_commit(jobs.iter().map(|(id, _)| *id));
 }
 

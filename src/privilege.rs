@@ -8,6 +8,24 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+/// SQL: `$bypass`, or the role `$caller` (an oid) has the privileges of the role named by the
+/// column `$role_name`, as `pg_has_role(..., 'USAGE')` says; false for a role that no longer
+/// exists (pg_has_role by name would raise).
+#[macro_export]
+macro_rules! has_privileges_of_role {
+    ($bypass:literal, $caller:literal, $role_name:literal) => {
+        concat!(
+            "(",
+            $bypass,
+            " OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = ",
+            $role_name,
+            " AND pg_catalog.pg_has_role(",
+            $caller,
+            ", r.oid, 'USAGE')))"
+        )
+    };
+}
+
 pub struct Caller {
     pub role_oid: pg_sys::Oid,
     pub role_name: String,

@@ -15,16 +15,18 @@ const EXTRA_ATTEMPTS_LIMIT: i32 = 1000;
 
 // $2: the payload; $3: the caller is a superuser; $4: the caller. Locks the job, so that of two
 // concurrent replays the second sees the first one's result.
-const LOCK_FOR_REPLAY: &str = "
+const LOCK_FOR_REPLAY: &str = concat!(
+    "
     SELECT j.job_state, j.last_failure_code, j.attempt_count,
            j.payload_sha256 IS NOT NULL,
            j.payload_sha256 = pg_catalog.sha256(pg_catalog.convert_to($2::pg_catalog.text, 'UTF8')),
-           $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                         WHERE r.rolname = j.enqueued_by
-                           AND pg_catalog.pg_has_role($4, r.oid, 'USAGE'))
+           ",
+    crate::has_privileges_of_role!("$3", "$4", "j.enqueued_by"),
+    "
     FROM durable_jobs.durable_job j
     WHERE j.job_id = $1
-    FOR UPDATE";
+    FOR UPDATE"
+);
 
 // $2: the payload; $3: extra attempts; $4: the caller; $5, $6: state and failure code before.
 const REPLAY: &str = concat!(

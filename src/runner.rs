@@ -17,6 +17,7 @@
 //! runner left over from a worker that restarted, or bound to another role, ends instead.
 
 use crate::settings::WORKER_COUNT_LIMIT;
+use crate::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
 use pgrx::bgworkers::{BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -110,33 +111,6 @@ fn role_words(role: &str) -> [u64; ROLE_WORDS] {
     let length = name.len().min(ROLE_WORDS * 8);
     bytes[..length].copy_from_slice(&name[..length]);
     std::array::from_fn(|word| u64::from_le_bytes(bytes[word * 8..word * 8 + 8].try_into().expect("8 bytes")))
-}
-
-fn set_latch_of(procno_plus_one: i32) {
-    if procno_plus_one > 0 {
-        unsafe {
-            let process = (*pg_sys::ProcGlobal).allProcs.add((procno_plus_one - 1) as usize);
-            pg_sys::SetLatch(&raw mut (*process).procLatch);
-        }
-    }
-}
-
-fn my_procno_plus_one() -> i32 {
-    unsafe { (*pg_sys::MyProc).pgprocno + 1 }
-}
-
-/// Sleeps on this process's latch for at most `timeout`, then checks for interrupts.
-fn sleep_on_latch(timeout: Duration) {
-    unsafe {
-        pg_sys::WaitLatch(
-            pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            timeout.as_millis().max(1) as std::ffi::c_long,
-            pg_sys::PG_WAIT_EXTENSION,
-        );
-        pg_sys::ResetLatch(pg_sys::MyLatch);
-    }
-    pg_sys::check_for_interrupts!();
 }
 
 /// Why a batch could not be handed to a runner.

@@ -4,7 +4,7 @@
 //! visible, the latches of the jobs' waiters are set. Nothing is sent when nobody waits, and no
 //! NOTIFY (which takes a cluster-wide lock at commit) is involved.
 
-use pgrx::pg_sys;
+use crate::wakeup::{my_procno_plus_one, set_latch_of};
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, PgXactCallbackEvent};
 use std::cell::RefCell;
@@ -52,10 +52,6 @@ pub fn init_shared_memory() {
     SHARED_MEMORY.store(true, Ordering::Relaxed);
 }
 
-fn my_owner_tag() -> i32 {
-    unsafe { (*pg_sys::MyProc).pgprocno + 1 }
-}
-
 /// A slot held while its session waits; freed when dropped (also when an error unwinds).
 pub struct WaiterSlot(Option<usize>);
 
@@ -70,7 +66,7 @@ impl WaiterSlot {
             // A session ended by FATAL (terminate, postmaster death) does not unwind.
             unsafe extern "C-unwind" fn free_my_slots(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
                 let slots = SLOTS.get();
-                let me = my_owner_tag();
+                let me = my_procno_plus_one();
                 for index in 0..WAITER_SLOTS {
                     if slots.owner[index].load(Ordering::Relaxed) == me {
                         release(index);
@@ -80,7 +76,7 @@ impl WaiterSlot {
             unsafe { pg_sys::before_shmem_exit(Some(free_my_slots), pg_sys::Datum::from(0)) };
         }
         let slots = SLOTS.get();
-        let me = my_owner_tag();
+        let me = my_procno_plus_one();
         for index in 0..WAITER_SLOTS {
             if slots.owner[index].compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                 slots.job_id[index].store(job_id, Ordering::SeqCst);
@@ -152,9 +148,6 @@ fn wake_waiters(job_ids: &[i64]) {
         if owner == 0 || job_ids.binary_search(&slots.job_id[index].load(Ordering::SeqCst)).is_err() {
             continue;
         }
-        unsafe {
-            let process = (*pg_sys::ProcGlobal).allProcs.add((owner - 1) as usize);
-            pg_sys::SetLatch(&raw mut (*process).procLatch);
-        }
+        set_latch_of(owner);
     }
 }

@@ -1,6 +1,7 @@
-//! Waking idle workers when work arrives, so enqueue-to-start latency does not wait for
+//! Latches: waking idle workers when work arrives, so enqueue-to-start latency does not wait for
 //! `durable_jobs.poll_interval`. Each worker publishes its pid in a shared slot; a transaction
 //! that enqueued sets their latches once, when it commits (a rolled-back enqueue wakes no one).
+//! Also the latch helpers the waiters and the role runners share.
 
 use crate::settings::WORKER_COUNT_LIMIT;
 use pgrx::pg_sys;
@@ -57,6 +58,38 @@ pub fn wake_workers_at_commit() {
     pgrx::register_xact_callback(PgXactCallbackEvent::Prepare, || {
         WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
     });
+}
+
+/// This process, named as shared slots keep it: `pgprocno + 1`, so that 0 can mean none.
+pub fn my_procno_plus_one() -> i32 {
+    unsafe { (*pg_sys::MyProc).pgprocno + 1 }
+}
+
+/// Sets the latch of the process `procno_plus_one` names (as `my_procno_plus_one`); 0 is none.
+pub fn set_latch_of(procno_plus_one: i32) {
+    if procno_plus_one > 0 {
+        unsafe {
+            let process = (*pg_sys::ProcGlobal).allProcs.add((procno_plus_one - 1) as usize);
+            pg_sys::SetLatch(&raw mut (*process).procLatch);
+        }
+    }
+}
+
+/// Sleeps on this process's latch for at most `timeout` (wait event `Extension`), resets it,
+/// then checks for interrupts (a query cancel or a terminate ends the sleep with its error).
+/// A latch set before the sleep ends it at once, so a caller that reads shared state, then
+/// sleeps, misses no change whose setter set the latch after making it visible.
+pub fn sleep_on_latch(timeout: std::time::Duration) {
+    unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            timeout.as_millis().max(1) as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+    }
+    pg_sys::check_for_interrupts!();
 }
 
 fn wake_workers() {

@@ -264,9 +264,7 @@ fn run_batch_in_runner(
         let start = part * runner::HANDOFF_JOBS;
         let following: Vec<(i64, Uuid)> = batch[start + leases.len()..].iter().chain(later).copied().collect();
         let renew = |uncarried: &[(i64, Uuid)]| {
-            in_transaction_or_logged("renewing leases", || {
-                BackgroundWorker::transaction(|| with_worker_settings(|| lease::renew_leases(uncarried, worker_id, lease_seconds)))
-            });
+            in_worker_transaction("renewing leases", || lease::renew_leases(uncarried, worker_id, lease_seconds));
         };
         match runner::run_in_runner(number, role, leases, &following, lease_seconds, &mut renewal, renew) {
             Ok(()) => taken += leases.len(),
@@ -293,10 +291,17 @@ fn run_batch_in_runner(
 /// Gives claimed jobs that never started back to the queue, with their attempts.
 fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
     if !jobs.is_empty() {
-        in_transaction_or_logged("giving jobs back", || {
-            BackgroundWorker::transaction(|| with_worker_settings(|| lease::release_unstarted(jobs, worker_id)))
-        });
+        in_worker_transaction("giving jobs back", || lease::release_unstarted(jobs, worker_id));
     }
+}
+
+/// Runs `f` in a transaction of its own with the worker's settings; an error is logged and
+/// rolled back (`in_transaction_or_logged`).
+fn in_worker_transaction<R>(
+    what: &str,
+    f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
+) -> Option<R> {
+    in_transaction_or_logged(what, || BackgroundWorker::transaction(|| with_worker_settings(f)))
 }
 
 /// Runs a claimed batch in one transaction. If that transaction fails as a whole (an error

@@ -60,7 +60,11 @@ fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
     let mut producer = cluster.connect();
     let jobs: Vec<i64> = (0..20).map(|_| enqueue(&mut producer, "external")).collect();
     let waiters: Vec<_> = jobs.iter().map(|job_id| spawn_waiter(&cluster, *job_id, None, 60.0)).collect();
-    wait_until(Duration::from_secs(20), "20 sessions waiting", || waiting_sessions(&mut producer).len() == 20);
+    // Each session is asleep once its first read is done: then its wait is on a latch.
+    wait_until(Duration::from_secs(20), "20 sessions asleep", || {
+        let sessions = waiting_sessions(&mut producer);
+        sessions.len() == 20 && sessions.iter().all(|(_, wait_event_type, _)| wait_event_type.is_some())
+    });
     for (_, wait_event_type, wait_event) in waiting_sessions(&mut producer) {
         assert_eq!(wait_event_type.as_deref(), Some("Extension"), "a latch wait, not pg_sleep");
         assert_ne!(wait_event.as_deref(), Some("PgSleep"));
