@@ -5,7 +5,8 @@
 # Runs on a throwaway local cluster (loopback only) with default durable settings
 # (fsync = on, synchronous_commit = on) and durable_jobs preloaded. Needs the extension
 # installed (scripts/run-tests.sh or `bash scripts/install-extension.sh --release`) and pgbench.
-#   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain.
+#   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain;
+#   BENCH_ONLY=status: the status API figures only.
 set -euo pipefail
 
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
@@ -28,7 +29,8 @@ start_cluster() {  # $1: worker_count
 listen_addresses = '127.0.0.1'
 port = $port
 unix_socket_directories = '$work'
-max_connections = 40
+# The status API figures hold 200 waiting sessions.
+max_connections = 250
 shared_buffers = '256MB'
 shared_preload_libraries = 'durable_jobs'
 durable_jobs.worker_count = $1
@@ -78,6 +80,33 @@ SQL
 cat >"$scripts/enqueue_batch.sql" <<'SQL'
 SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('noop', array_fill('{"n": 1}'::jsonb, ARRAY[100]));
 SQL
+# Status API pages against the same keyset read done by hand on the table.
+cat >"$scripts/list_top.sql" <<'SQL'
+SELECT count(*) FROM durable_jobs.list_durable_jobs(page_size => 100);
+SQL
+cat >"$scripts/raw_top.sql" <<'SQL'
+SELECT count(*) FROM (SELECT * FROM durable_jobs.durable_job ORDER BY job_id DESC LIMIT 100) page;
+SQL
+cat >"$scripts/list_deep.sql" <<'SQL'
+SELECT count(*) FROM durable_jobs.list_durable_jobs(page_size => 100, page_cursor => ':cursor');
+SQL
+cat >"$scripts/raw_deep.sql" <<'SQL'
+SELECT count(*) FROM (SELECT * FROM durable_jobs.durable_job WHERE job_id < :deep_id ORDER BY job_id DESC LIMIT 100) page;
+SQL
+cat >"$scripts/list_sparse.sql" <<'SQL'
+SELECT count(*) FROM durable_jobs.list_durable_jobs(job_states => '{failed}', page_size => 100);
+SQL
+cat >"$scripts/raw_sparse.sql" <<'SQL'
+SELECT count(*) FROM (SELECT * FROM durable_jobs.durable_job WHERE job_state = 'failed' ORDER BY job_id DESC LIMIT 100) page;
+SQL
+cat >"$scripts/get_one.sql" <<'SQL'
+\set id random(:low_id, :deep_id)
+SELECT count(*) FROM durable_jobs.get_durable_job(:id);
+SQL
+cat >"$scripts/raw_get_one.sql" <<'SQL'
+\set id random(:low_id, :deep_id)
+SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = :id;
+SQL
 cat >"$scripts/enqueue_latency.sql" <<'SQL'
 SELECT durable_jobs.enqueue_durable_job('latency', '{}');
 \sleep 5 ms
@@ -113,8 +142,23 @@ set_worker() {  # $1 on|off, $2 batch size
 }
 per_client() { echo $(( JOBS / $1 )); }
 
+drain() {  # $1 workers, $2 batch size -> jobs/s
+    set_worker off 1
+    reset_jobs "$DRAIN_JOBS" noop
+    local start end
+    start=$(date +%s.%N)
+    set_worker on "$2"
+    until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do sleep 0.05; done
+    end=$(date +%s.%N)
+    set_worker off 1
+    python3 -c "print(f'{$DRAIN_JOBS / ($end - $start):.0f}')"
+}
+
 echo "durable_jobs benchmark: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), fsync on, synchronous_commit on"
 echo "figures: jobs/s unless stated; ratio = figure / matching reference"
+
+# BENCH_ONLY=status: only the status API figures (and what they need).
+if [ "${BENCH_ONLY:-}" != status ]; then
 echo
 row "reference" "figure" "ratio"
 
@@ -139,17 +183,6 @@ done
 
 echo
 row "durable_jobs" "figure" "ratio"
-drain() {  # $1 workers, $2 batch size -> jobs/s
-    set_worker off 1
-    reset_jobs "$DRAIN_JOBS" noop
-    local start end
-    start=$(date +%s.%N)
-    set_worker on "$2"
-    until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do sleep 0.05; done
-    end=$(date +%s.%N)
-    set_worker off 1
-    python3 -c "print(f'{$DRAIN_JOBS / ($end - $start):.0f}')"
-}
 for workers in 1 2; do
     if [ "$workers" = 2 ]; then stop_cluster; start_cluster 2; fi
     figure=$(drain "$workers" 1)
@@ -209,3 +242,67 @@ for target in 20000 100000; do
     row "job table + indexes after $target jobs passed through, kB" "$(( size[$target] / 1024 ))" ""
 done
 row "size after 100,000 vs after 20,000" "" "$(ratio "${size[100000]}" "${size[20000]}")"
+fi
+
+echo
+row "status API" "figure" "ratio"
+psql_q -c "ALTER SYSTEM RESET durable_jobs.retention_period" -c "SELECT pg_reload_conf()" >/dev/null
+set_worker off 1
+python3 "$(dirname "$0")/status_bench.py" "$port" "$DRAIN_JOBS"
+
+# The claim path with and without the two listing indexes (written on every transition),
+# alternated twice; the figures are the better of the two runs of each.
+declare -A claim
+for round in 1 2; do
+    for indexes in with without; do
+        if [ "$indexes" = without ]; then
+            psql_q -c "DROP INDEX durable_jobs.durable_job_state_listing_idx, durable_jobs.durable_job_queue_listing_idx" >/dev/null
+        fi
+        reset_jobs "$JOBS" external
+        api=$(tps_of "$(pgbench_run -f "$scripts/api_one.sql" -c 1 -t "$JOBS")")
+        batch=$(drain 1 50)
+        if [ "$indexes" = without ]; then
+            psql_q -c "CREATE INDEX durable_job_state_listing_idx ON durable_jobs.durable_job (job_state, job_id)" \
+                -c "CREATE INDEX durable_job_queue_listing_idx ON durable_jobs.durable_job (queue_name, job_state, job_id)" >/dev/null
+        fi
+        claim[api_$indexes]=$(python3 -c "print(max(float('$api'), float('${claim[api_$indexes]:-0}')))")
+        claim[batch_$indexes]=$(python3 -c "print(max(float('$batch'), float('${claim[batch_$indexes]:-0}')))")
+    done
+done
+row "SQL API claim + complete, 1 connection, no listing index" "${claim[api_without]%.*}" ""
+row "same, with the two listing indexes (vs without)" "${claim[api_with]%.*}" "$(ratio "${claim[api_with]}" "${claim[api_without]}")"
+row "worker drain, batch 50, no listing index" "${claim[batch_without]%.*}" ""
+row "same, with the two listing indexes (vs without)" "${claim[batch_with]%.*}" "$(ratio "${claim[batch_with]}" "${claim[batch_without]}")"
+
+# Pages of 200,000 finished jobs (finished by hand: setup, not measured), 20 of them failed.
+psql_q -c "TRUNCATE durable_jobs.durable_job" \
+    -c "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('noop', array_fill('{\"n\": 1}'::jsonb, ARRAY[200000]))" \
+    -c "UPDATE durable_jobs.durable_job SET attempt_count = 1, finished_at = now(), state_version = 3,
+            job_state = CASE WHEN job_id % 10000 = 0 THEN 'failed' ELSE 'succeeded' END,
+            last_failure_code = CASE WHEN job_id % 10000 = 0 THEN 'target_rejected' END" \
+    -c "VACUUM ANALYZE durable_jobs.durable_job" >/dev/null
+read -r low_id deep_id < <(psql_q -F ' ' -c "SELECT min(job_id), min(job_id) + 100000 FROM durable_jobs.durable_job")
+# The cursor of the row at depth ~100,000, reached by walking 100 pages of 1000.
+cursor=$(psql_q -c "
+    WITH RECURSIVE walk(pages, page_cursor) AS (
+        SELECT 0, NULL::text
+        UNION ALL
+        SELECT pages + 1, (SELECT l.page_cursor FROM durable_jobs.list_durable_jobs(page_size => 1000, page_cursor => walk.page_cursor) l
+                           ORDER BY l.job_id LIMIT 1)
+        FROM walk WHERE pages < 100)
+    SELECT page_cursor FROM walk WHERE pages = 100")
+deep_id=$(( 16#${cursor%%-*} ))  # the cursor starts with the job id in hex
+page_ms() { latency_of "$(pgbench_run -f "$scripts/$1.sql" -c 1 -T 5 -D "cursor=$cursor" -D "deep_id=$deep_id" -D "low_id=$low_id")"; }
+for page in top deep sparse; do
+    case $page in
+        top) label="page of 100 at depth 0" ;;
+        deep) label="page of 100 at depth ~100,000" ;;
+        sparse) label="page of the 20 failed among 200,000" ;;
+    esac
+    reference=$(page_ms "raw_$page"); figure=$(page_ms "list_$page")
+    row "raw keyset read, $label: ms" "$reference" ""
+    row "list_durable_jobs, $label: ms (vs raw)" "$figure" "$(ratio "$figure" "$reference")"
+done
+reference=$(page_ms raw_get_one); figure=$(page_ms get_one)
+row "raw read of one job by id: ms" "$reference" ""
+row "get_durable_job: ms (vs raw)" "$figure" "$(ratio "$figure" "$reference")"

@@ -39,6 +39,21 @@ fn claim_skips_future_jobs_and_other_queues() {
 }
 
 #[pg_test]
+fn claim_takes_only_the_kinds_asked_for() {
+    let mail: i64 = one("SELECT durable_jobs.enqueue_durable_job('mail', '{}')");
+    let resize: i64 = one("SELECT durable_jobs.enqueue_durable_job('resize', '{}', priority => 10)");
+    // The best job is a resize; a worker that handles mail only never sees it.
+    assert_eq!(one::<i64>("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', job_kinds => ARRAY['mail'])"), mail);
+    assert_eq!(
+        one::<i64>("SELECT count(*) FROM durable_jobs.claim_next_durable_job('w', NULL, NULL, ARRAY['mail', 'sms'])"),
+        0
+    );
+    assert_eq!(one::<String>(&format!("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = {resize}")), "available");
+    // NULL: any kind, as the three-argument call always did.
+    assert_eq!(one::<i64>("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', NULL, NULL, NULL)"), resize);
+}
+
+#[pg_test]
 fn claim_returns_and_records_the_lease() {
     let job_id = enqueue("resize", r#"{"image": 3}"#);
     // The claim's own row, compared with the table in a later statement (a statement does not
@@ -92,6 +107,9 @@ fn claim_rejects_bad_input() {
         ("'w', NULL, 0", "22023"),
         ("'w', NULL, -5", "22023"),
         ("'w', NULL, 3601", "22023"),
+        ("'w', NULL, NULL, ARRAY[]::text[]", "22023"),
+        ("'w', NULL, NULL, ARRAY['mail', NULL]", "22004"),
+        ("'w', NULL, NULL, ARRAY['no spaces please']", "22023"),
     ] {
         assert_rejected(&format!("SELECT * FROM durable_jobs.claim_next_durable_job({arguments})"), sqlstate);
     }
@@ -299,14 +317,17 @@ fn the_claim_is_an_index_scan_in_claim_order() {
          ANALYZE durable_jobs.durable_job",
     )
     .unwrap();
-    let queues: Option<Vec<String>> = None;
-    let plan = Spi::explain_with_args(
-        crate::lease::CLAIM,
-        &[queues.into(), "w".into(), 60.0f64.into(), false.into(), 1i64.into()],
-    )
-    .unwrap();
-    let plan = format!("{:?}", plan.0);
-    assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
-    // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
-    assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
+    // Any kind, and one kind.
+    for kinds in [None, Some(vec!["k".to_string()])] {
+        let queues: Option<Vec<String>> = None;
+        let plan = Spi::explain_with_args(
+            crate::lease::CLAIM,
+            &[queues.into(), "w".into(), 60.0f64.into(), false.into(), 1i64.into(), kinds.into()],
+        )
+        .unwrap();
+        let plan = format!("{:?}", plan.0);
+        assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
+        // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
+        assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
+    }
 }

@@ -28,6 +28,13 @@ if [ "$(id -u)" -eq 0 ]; then
 fi
 
 echo "== in-database suites (cargo pgrx test)"
+# cargo pgrx test installs its build by rewriting the installed library in place, which kills a
+# running server that has it loaded (the one scripts/install-and-start.sh started, say).
+# Unlinked first, the file is written anew, and running servers keep the copy they mapped.
+library=$("$PG_CONFIG" --pkglibdir)/durable_jobs.so
+if [ -e "$library" ]; then
+    if [ -w "$(dirname "$library")" ]; then rm -f "$library"; else sudo rm -f "$library"; fi
+fi
 cargo pgrx test pg15 "${pgrx_test_args[@]}"
 
 echo "== installing the extension into $("$PG_CONFIG" --pkglibdir)"

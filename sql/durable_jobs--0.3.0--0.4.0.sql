@@ -1,6 +1,6 @@
--- durable_jobs 0.3.0 to 0.4.0: the status API. Every job gets state_version 1, replay_count 0
--- and no SQLSTATE; from now on every enqueued payload keeps its fingerprint (replay compares
--- against it). Two listing indexes are built over the job table while the update holds its
+-- durable_jobs 0.3.0 to 0.4.0: the status API, and a claim that filters by kind. Every job
+-- gets state_version 1, replay_count 0 and no SQLSTATE; from now on every enqueued payload keeps
+-- its fingerprint (replay compares against it). Two listing indexes are built over the job table while the update holds its
 -- lock. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result
 -- equals a fresh 0.4.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
@@ -142,3 +142,50 @@ REVOKE ALL ON FUNCTION durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_cat
     FROM PUBLIC;
 REVOKE ALL ON FUNCTION durable_jobs.replay_durable_job(pg_catalog.int8, pg_catalog.jsonb, pg_catalog.int4)
     FROM PUBLIC;
+
+-- The claim takes the kinds a worker handles as a fourth, optional argument. The three-argument
+-- function goes, and the EXECUTE grants operators gave on it move to the new one first.
+CREATE FUNCTION durable_jobs.claim_next_durable_job(
+    worker_id pg_catalog.text,
+    queue_names pg_catalog.text[] DEFAULT NULL,
+    lease_seconds pg_catalog.int4 DEFAULT NULL,
+    job_kinds pg_catalog.text[] DEFAULT NULL)
+    RETURNS TABLE (
+        job_id pg_catalog.int8,
+        lease_token pg_catalog.uuid,
+        lease_expires_at pg_catalog.timestamptz,
+        job_kind pg_catalog.text,
+        payload pg_catalog.jsonb,
+        attempt_count pg_catalog.int4,
+        max_attempts pg_catalog.int4)
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'claim_next_durable_job_of_kinds_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[]) FROM PUBLIC;
+DO $carry$
+DECLARE
+    fresh_acl pg_catalog.aclitem[];
+    given record;
+BEGIN
+    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[])'::pg_catalog.regprocedure;
+    FOR given IN
+        SELECT a.grantee, a.is_grantable
+        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+        WHERE p.oid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4)'::pg_catalog.regprocedure
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[]) TO %s%s',
+            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
+    -- leaves out: record the function's privileges as a fresh install has them, so that the
+    -- operators' grants stay theirs and are dumped.
+    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
+    WHERE objoid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[])'::pg_catalog.regprocedure
+      AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+END
+$carry$;
+DROP FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4);

@@ -4,6 +4,51 @@
 -- checks that the result equals a fresh 0.3.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'" to load this file. \quit
 
+-- The three-argument claim comes back, with the grants given on the four-argument one.
+CREATE FUNCTION durable_jobs.claim_next_durable_job(
+    worker_id pg_catalog.text,
+    queue_names pg_catalog.text[] DEFAULT NULL,
+    lease_seconds pg_catalog.int4 DEFAULT NULL)
+    RETURNS TABLE (
+        job_id pg_catalog.int8,
+        lease_token pg_catalog.uuid,
+        lease_expires_at pg_catalog.timestamptz,
+        job_kind pg_catalog.text,
+        payload pg_catalog.jsonb,
+        attempt_count pg_catalog.int4,
+        max_attempts pg_catalog.int4)
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'claim_next_durable_job_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4) FROM PUBLIC;
+DO $carry$
+DECLARE
+    fresh_acl pg_catalog.aclitem[];
+    given record;
+BEGIN
+    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4)'::pg_catalog.regprocedure;
+    FOR given IN
+        SELECT a.grantee, a.is_grantable
+        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+        WHERE p.oid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[])'::pg_catalog.regprocedure
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4) TO %s%s',
+            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
+    -- leaves out: record the function's privileges as a fresh install has them, so that the
+    -- operators' grants stay theirs and are dumped.
+    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
+    WHERE objoid = 'durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4)'::pg_catalog.regprocedure
+      AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+END
+$carry$;
+DROP FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[]);
+
 DROP FUNCTION durable_jobs.get_durable_job(pg_catalog.int8);
 DROP FUNCTION durable_jobs.list_durable_jobs(pg_catalog.text, pg_catalog.text[], pg_catalog.text,
                                              pg_catalog.int4, pg_catalog.text);

@@ -84,9 +84,18 @@ pub fn run_after(value: Option<TimestampWithTimeZone>) -> TimestampWithTimeZone 
 
 /// queue_names for a claim: NULL means every queue; an array must be non-empty, without NULLs.
 pub fn queue_names(value: Option<Vec<Option<String>>>) -> Option<Vec<String>> {
+    names(value, "queue_names", "every queue")
+}
+
+/// NULL (any kind) or a non-empty array of valid kind names.
+pub fn job_kinds(value: Option<Vec<Option<String>>>) -> Option<Vec<String>> {
+    names(value, "job_kinds", "any kind")
+}
+
+fn names(value: Option<Vec<Option<String>>>, argument: &str, null_means: &str) -> Option<Vec<String>> {
     let names = value?;
     if names.is_empty() {
-        invalid("queue_names must be NULL (every queue) or a non-empty array");
+        invalid(&format!("{argument} must be NULL ({null_means}) or a non-empty array"));
     }
-    Some(names.into_iter().map(|n| name(n, "queue_names element")).collect())
+    Some(names.into_iter().map(|n| name(n, &format!("{argument} element"))).collect())
 }

@@ -74,7 +74,6 @@ impl JobTemplate {
         max_attempts: Option<i32>,
         priority: Option<i32>,
     ) -> JobTemplate {
-        require_intake_enabled();
         JobTemplate {
             job_kind: arguments::name(job_kind, "job_kind"),
             queue_name: arguments::name(queue_name, "queue_name"),
@@ -104,25 +103,21 @@ impl JobTemplate {
             self.enqueued_by.as_str().into(),
             installed.has_status_api.into(),
         ];
+        // With intake off, a key already bound to this very job still returns it (producers retry
+        // enqueues after timeouts); anything that would take a new job in is refused.
+        if !crate::settings::INTAKE_ENABLED.get() {
+            match idempotency_key.map(|key| self.find_by_key(client, key, payload)) {
+                Some((Some(job_id), Some(true))) => return job_id,
+                _ => require_intake_enabled(),
+            }
+        }
         let inserted = plans::execute(client, INSERT_JOB, &args);
         if !inserted.is_empty() {
             return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
         }
         // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
         let key = idempotency_key.expect("a conflict implies a key");
-        let args = [
-            self.queue_name.as_str().into(),
-            key.into(),
-            self.job_kind.as_str().into(),
-            payload.into(),
-            self.enqueued_by.as_str().into(),
-        ];
-        let existing = plans::execute(client, FIND_BY_KEY, &args);
-        let existing = match existing.is_empty() {
-            true => (None, None),
-            false => existing.first().get_two::<i64, bool>().expect("existing job"),
-        };
-        match existing {
+        match self.find_by_key(client, key, payload) {
             (Some(job_id), Some(true)) => job_id,
             (Some(_), _) => {
                 ereport!(
@@ -138,6 +133,28 @@ impl JobTemplate {
                     "the job holding this idempotency_key was removed concurrently; retry the enqueue"
                 );
             }
+        }
+    }
+
+    /// The job holding `key` in this queue, and whether it is this caller's job of this kind
+    /// and payload.
+    fn find_by_key(
+        &self,
+        client: &mut SpiClient,
+        key: &str,
+        payload: JsonbDatum,
+    ) -> (Option<i64>, Option<bool>) {
+        let args = [
+            self.queue_name.as_str().into(),
+            key.into(),
+            self.job_kind.as_str().into(),
+            payload.into(),
+            self.enqueued_by.as_str().into(),
+        ];
+        let existing = plans::execute(client, FIND_BY_KEY, &args);
+        match existing.is_empty() {
+            true => (None, None),
+            false => existing.first().get_two::<i64, bool>().expect("existing job"),
         }
     }
 }
@@ -224,6 +241,7 @@ fn enqueue_durable_jobs(
         Spi::connect_mut(|client| match keys {
             // Without keys: one statement for the whole batch.
             None => {
+                require_intake_enabled();
                 let args = [
                     template.queue_name.as_str().into(),
                     template.job_kind.as_str().into(),

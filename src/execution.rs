@@ -35,7 +35,9 @@ const LOAD_JOBS: &str = "
            (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8,
            COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
                     AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
-                    false)
+                    false),
+           j.job_kind,
+           j.attempt_count
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
@@ -65,6 +67,8 @@ struct LoadedJob {
     /// None when the job may not run.
     handler: Option<Handler>,
     lease_expires_unix_us: i64,
+    job_kind: String,
+    attempt_count: i32,
 }
 
 /// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
@@ -88,6 +92,8 @@ fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
                         payload: row.get(2).unwrap().unwrap(),
                         handler,
                         lease_expires_unix_us: row.get(6).unwrap().unwrap(),
+                        job_kind: row.get(8).unwrap().unwrap(),
+                        attempt_count: row.get(9).unwrap().unwrap(),
                     };
                     (row.get::<i64>(1).unwrap().unwrap(), job)
                 })
@@ -184,9 +190,20 @@ fn run_job(
     match outcome {
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
-        Err(sqlstate) => {
-            let code = FailureCode::from_sqlstate(&sqlstate);
-            record_failure(job_id, lease_token, worker_id, code, Some(&sqlstate), tally)
+        Err(error) => {
+            if crate::settings::LOG_HANDLER_ERRORS.get() {
+                // The handler's own message: it may quote what the handler put in it, never
+                // the payload by our doing.
+                log!(
+                    "durable_jobs worker: job {job_id} (kind {}, attempt {}) failed with SQLSTATE {}: {}",
+                    job.job_kind,
+                    job.attempt_count,
+                    error.sqlstate,
+                    error.message
+                );
+            }
+            let code = FailureCode::from_sqlstate(&error.sqlstate);
+            record_failure(job_id, lease_token, worker_id, code, Some(&error.sqlstate), tally)
         }
     }
 }
@@ -245,10 +262,11 @@ pub fn record_failure(
         tally.count(Counter::for_outcome(outcome));
         true
     });
-    if let Err(sqlstate) = outcome {
+    if let Err(error) = outcome {
         log!(
-            "durable_jobs worker: could not record the failure of job {job_id} (SQLSTATE {sqlstate}); \
-             it is claimed again when its lease expires"
+            "durable_jobs worker: could not record the failure of job {job_id} (SQLSTATE {}); \
+             it is claimed again when its lease expires",
+            error.sqlstate
         );
     }
 }
@@ -395,10 +413,16 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
     }
 }
 
+/// An error caught in a job's subtransaction.
+pub struct CaughtFailure {
+    pub sqlstate: String,
+    pub message: String,
+}
+
 /// Runs `f` in a subtransaction that is released when `f` returns true and rolled back when it
-/// returns false or raises an error, whose SQLSTATE is returned. User, memory context and
+/// returns false or raises an error, whose SQLSTATE and message are returned. User, memory context and
 /// resource owner are restored on every path, and the statement timeout disarmed.
-fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, String> {
+fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
     unsafe {
         let memory_context = pg_sys::CurrentMemoryContext;
         let resource_owner = pg_sys::CurrentResourceOwner;
@@ -409,11 +433,16 @@ fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, String> {
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(memory_context);
         let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
-            .catch_others(|error| Err(sqlstate_of(&error)))
+            .catch_others(|error| {
+                Err(CaughtFailure {
+                    sqlstate: sqlstate_of(&error),
+                    message: report_of(&error).message().to_string(),
+                })
+            })
             .execute();
         disarm_statement_timeout();
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
-        if result == Ok(true) {
+        if matches!(result, Ok(true)) {
             pg_sys::ReleaseCurrentSubTransaction();
         } else {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
@@ -424,13 +453,16 @@ fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, String> {
     }
 }
 
-pub fn sqlstate_of(error: &pg_sys::panic::CaughtError) -> String {
+fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
     use pg_sys::panic::CaughtError;
-    let report = match error {
+    match error {
         CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => report,
         CaughtError::RustPanic { ereport, .. } => ereport,
-    };
-    sqlstate_text(report.sql_error_code() as i32)
+    }
+}
+
+pub fn sqlstate_of(error: &pg_sys::panic::CaughtError) -> String {
+    sqlstate_text(report_of(error).sql_error_code() as i32)
 }
 
 /// Decodes a packed SQLSTATE (MAKE_SQLSTATE: five 6-bit characters, first in the low bits).

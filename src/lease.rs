@@ -118,10 +118,10 @@ macro_rules! expiry_columns {
     };
 }
 
-// The SQL API's claim takes any kind ($4 is false).
+// The SQL API's claim ($4 false) takes the kinds in $6, NULL meaning any kind.
 macro_rules! any_kind {
     () => {
-        "AND (NOT $4 OR job_kind IN (SELECT h.job_kind FROM durable_jobs.durable_job_handler h))"
+        "AND NOT $4 AND ($6::pg_catalog.text[] IS NULL OR job_kind = ANY ($6))"
     };
 }
 
@@ -359,25 +359,27 @@ pub struct ClaimedJob {
 pub fn claim_jobs(
     worker_id: &str,
     queue_names: Option<&[String]>,
+    job_kinds: Option<&[String]>,
     lease_seconds: i32,
     handlers_only: bool,
     limit: i32,
 ) -> Vec<ClaimedJob> {
     as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| {
-            let queues = || -> DatumWithOid {
-                match queue_names {
+            let names = |names: Option<&[String]>| -> DatumWithOid {
+                match names {
                     Some(names) => names.to_vec().into(),
                     None => DatumWithOid::null::<Vec<String>>(),
                 }
             };
             let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
                 let args = [
-                    queues(),
+                    names(queue_names),
                     worker_id.into(),
                     f64::from(lease_seconds).into(),
                     handlers_only.into(),
                     i64::from(count).into(),
+                    names(job_kinds),
                 ];
                 let statement = match (handlers_only, installed.has_status_api) {
                     (true, _) => CLAIM_FOR_WORKER,
@@ -486,7 +488,8 @@ fn over_leases<T: FromDatum + IntoDatum>(
     more: Option<DatumWithOid>,
 ) -> Vec<(i64, T)> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    let args: Vec<DatumWithOid> = [ids.into(), tokens.into(), worker_id.into()].into_iter().chain(more).collect();
+    let args: Vec<DatumWithOid> =
+        [ids.into(), tokens.into(), worker_id.into()].into_iter().chain(more).collect();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
             plans::execute(client, statement, &args)
@@ -514,12 +517,19 @@ pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
     waiters::wake_waiters_at_commit(jobs.iter().map(|(id, _)| *id));
 }
 
-#[pg_extern(volatile, parallel_unsafe)]
+/// What the SQL API's claim returns for one job (pgrx wants the columns spelled out in each
+/// signature).
+type ClaimRow = (i64, Uuid, TimestampWithTimeZone, String, JsonbDatum, i32, i32);
+
+/// claim_next_durable_job(worker_id, queue_names, lease_seconds, job_kinds): the SQL API's claim
+/// from 0.4.0 on. A new C symbol, since a schema from before keeps calling the three-argument one.
+#[pg_extern(volatile, parallel_unsafe, name = "claim_next_durable_job")]
 #[search_path(pg_catalog, pg_temp)]
-fn claim_next_durable_job(
+fn claim_next_durable_job_of_kinds(
     worker_id: Option<String>,
     queue_names: default!(Option<Vec<Option<String>>>, "NULL"),
     lease_seconds: default!(Option<i32>, "NULL"),
+    job_kinds: default!(Option<Vec<Option<String>>>, "NULL"),
 ) -> TableIterator<
     'static,
     (
@@ -532,10 +542,42 @@ fn claim_next_durable_job(
         name!(max_attempts, i32),
     ),
 > {
+    claim_for_caller(worker_id, queue_names, lease_seconds, arguments::job_kinds(job_kinds))
+}
+
+/// The three-argument claim of schemas before 0.4.0, which this library serves until ALTER
+/// EXTENSION durable_jobs UPDATE; not part of the 0.4.0 schema.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn claim_next_durable_job(
+    worker_id: Option<String>,
+    queue_names: Option<Vec<Option<String>>>,
+    lease_seconds: Option<i32>,
+) -> TableIterator<
+    'static,
+    (
+        name!(job_id, i64),
+        name!(lease_token, Uuid),
+        name!(lease_expires_at, TimestampWithTimeZone),
+        name!(job_kind, String),
+        name!(payload, JsonbDatum),
+        name!(attempt_count, i32),
+        name!(max_attempts, i32),
+    ),
+> {
+    claim_for_caller(worker_id, queue_names, lease_seconds, None)
+}
+
+fn claim_for_caller(
+    worker_id: Option<String>,
+    queue_names: Option<Vec<Option<String>>>,
+    lease_seconds: Option<i32>,
+    job_kinds: Option<Vec<String>>,
+) -> TableIterator<'static, ClaimRow> {
     let worker_id = arguments::name(worker_id, "worker_id");
     let queue_names = arguments::queue_names(queue_names);
     let lease_seconds = arguments::lease_seconds(lease_seconds);
-    let claimed = claim_jobs(&worker_id, queue_names.as_deref(), lease_seconds, false, 1);
+    let claimed =
+        claim_jobs(&worker_id, queue_names.as_deref(), job_kinds.as_deref(), lease_seconds, false, 1);
     TableIterator::new(claimed.into_iter().map(|job| {
         (
             job.job_id,

@@ -18,7 +18,9 @@
 
 use crate::settings::WORKER_COUNT_LIMIT;
 use crate::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
-use pgrx::bgworkers::{BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker};
+use pgrx::bgworkers::{
+    BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
+};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
@@ -198,7 +200,8 @@ pub fn run_in_runner(
     for (index, (job_id, token)) in leases.iter().enumerate() {
         handoff.job_ids[index].store(*job_id, Ordering::Relaxed);
         let bytes = token.as_bytes();
-        let halves = [&bytes[..8], &bytes[8..]].map(|half| u64::from_le_bytes(half.try_into().expect("8 bytes")));
+        let halves =
+            [&bytes[..8], &bytes[8..]].map(|half| u64::from_le_bytes(half.try_into().expect("8 bytes")));
         handoff.tokens[index][0].store(halves[0], Ordering::Relaxed);
         handoff.tokens[index][1].store(halves[1], Ordering::Relaxed);
     }
@@ -317,7 +320,12 @@ pub fn serve_handovers(number: i32, mut reload_settings: impl FnMut(), mut run: 
     // Also when the runner ends by FATAL: the worker must not wake a process that is gone.
     unsafe extern "C-unwind" fn forget_me(_code: std::ffi::c_int, number: pg_sys::Datum) {
         let handoff = handoff_of(number.value() as i32);
-        let _ = handoff.runner_procno.compare_exchange(my_procno_plus_one(), 0, Ordering::AcqRel, Ordering::Relaxed);
+        let _ = handoff.runner_procno.compare_exchange(
+            my_procno_plus_one(),
+            0,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
         // The worker may be waiting on a hand-over this runner did not take: it looks again.
         set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
     }
@@ -335,7 +343,9 @@ pub fn serve_handovers(number: i32, mut reload_settings: impl FnMut(), mut run: 
             sleep_on_latch(Duration::from_millis(1));
             continue;
         };
-        if generation > handoff.done.load(Ordering::Acquire) && generation > handoff.taken.load(Ordering::Acquire) {
+        if generation > handoff.done.load(Ordering::Acquire)
+            && generation > handoff.taken.load(Ordering::Acquire)
+        {
             if bound.is_some_and(|bound| bound != owner) {
                 // Another role's batch, or another worker process's: not for this session.
                 break;

@@ -23,6 +23,8 @@ pub static WORKER_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static POLL_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1000);
 /// Whether enqueue accepts new jobs.
 pub static INTAKE_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// Whether the workers log each handler error's text (never the payload).
+pub static LOG_HANDLER_ERRORS: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// How many background workers the postmaster starts (restart to change).
 pub static WORKER_COUNT: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// The database the background workers connect to (restart to change).
@@ -151,6 +153,15 @@ pub fn register() {
         c"Whether enqueue accepts new jobs.",
         c"Turn off to stop intake while claims and completions go on.",
         &INTAKE_ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"durable_jobs.log_handler_errors",
+        c"Whether the background workers log each handler error at LOG.",
+        c"Job id, kind, attempt, SQLSTATE and the error's message; never the payload. \
+          The message is the handler's own text and may quote what the handler put in it.",
+        &LOG_HANDLER_ERRORS,
         GucContext::Sighup,
         GucFlags::default(),
     );

@@ -74,8 +74,11 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let rows =
-                plans::execute(client, GET_WITH_VERSION, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
+            let rows = plans::execute(
+                client,
+                GET_WITH_VERSION,
+                &[job_id.into(), sees_all.into(), caller.role_oid.into()],
+            );
             rows.into_iter().next().map(|row| {
                 (
                     row.get::<JobStatusRow>(1).unwrap().expect("a status row"),
@@ -173,7 +176,11 @@ pub struct ListFilters {
 }
 
 impl ListFilters {
-    fn new(queue_name: Option<String>, job_states: Option<Vec<Option<String>>>, job_kind: Option<String>) -> Self {
+    fn new(
+        queue_name: Option<String>,
+        job_states: Option<Vec<Option<String>>>,
+        job_kind: Option<String>,
+    ) -> Self {
         let queue_name = queue_name.map(|name| arguments::name(Some(name), "queue_name"));
         let job_kind = job_kind.map(|kind| arguments::name(Some(kind), "job_kind"));
         let job_states = match job_states {
@@ -185,12 +192,16 @@ impl ListFilters {
                 let mut known: Vec<&'static str> = states
                     .iter()
                     .map(|state| {
-                        JOB_STATES.iter().copied().find(|known| Some(*known) == state.as_deref()).unwrap_or_else(|| {
-                            arguments::invalid(&format!(
-                                "job_states elements must be one of {}",
-                                JOB_STATES.join(", ")
-                            ))
-                        })
+                        JOB_STATES
+                            .iter()
+                            .copied()
+                            .find(|known| Some(*known) == state.as_deref())
+                            .unwrap_or_else(|| {
+                                arguments::invalid(&format!(
+                                    "job_states elements must be one of {}",
+                                    JOB_STATES.join(", ")
+                                ))
+                            })
                     })
                     .collect();
                 known.sort_by_key(|state| JOB_STATES.iter().position(|s| s == state));

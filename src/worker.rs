@@ -65,9 +65,9 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             if BackgroundWorker::sighup_received() {
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             }
-            let enabled = settings::WORKER_ENABLED.get();
-            let found_job = enabled && poll_once(number, &worker_id);
-            if enabled && last_prune.elapsed() >= PRUNE_EVERY {
+            let found_job = settings::WORKER_ENABLED.get() && poll_once(number, &worker_id);
+            // Retention does not depend on whether jobs run: pruning goes on with the worker off.
+            if last_prune.elapsed() >= PRUNE_EVERY {
                 prune_finished_jobs();
                 last_prune = Instant::now();
             }
@@ -92,7 +92,11 @@ fn warn_if_runners_may_find_no_slot() {
     let (processes, parallel) = unsafe { (pg_sys::max_worker_processes, pg_sys::max_parallel_workers) };
     let replication: i32 = unsafe {
         let value = pg_sys::GetConfigOption(c"max_logical_replication_workers".as_ptr(), true, false);
-        if value.is_null() { 0 } else { std::ffi::CStr::from_ptr(value).to_str().unwrap_or("0").parse().unwrap_or(0) }
+        if value.is_null() {
+            0
+        } else {
+            std::ffi::CStr::from_ptr(value).to_str().unwrap_or("0").parse().unwrap_or(0)
+        }
     };
     let needed = 2 * settings::WORKER_COUNT.get() + parallel + replication + 1;
     if processes < needed {
@@ -133,7 +137,8 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
                 if !extension_ready() {
                     return None;
                 }
-                let held = |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
+                let held =
+                    |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
                 Some((held(&handover.batch), held(&handover.later)))
             })
         });
@@ -201,7 +206,8 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
             return None;
         }
         let batch = settings::CLAIM_BATCH_SIZE.get();
-        let jobs = with_worker_settings(|| lease::claim_jobs(worker_id, None, lease_seconds, true, batch));
+        let jobs =
+            with_worker_settings(|| lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch));
         Some(jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect::<Vec<_>>())
     });
     match claimed {
@@ -216,7 +222,8 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
             for (position, (role, batch)) in batches.iter().enumerate() {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
-                let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
+                let bound =
+                    BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
                 // Counted as claimed once it runs: a job given back is claimed again later.
                 let taken = if *role == bound {
                     run_batch(batch, &later, worker_id, lease_seconds);
@@ -262,9 +269,12 @@ fn run_batch_in_runner(
     let mut taken = 0;
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
         let start = part * runner::HANDOFF_JOBS;
-        let following: Vec<(i64, Uuid)> = batch[start + leases.len()..].iter().chain(later).copied().collect();
+        let following: Vec<(i64, Uuid)> =
+            batch[start + leases.len()..].iter().chain(later).copied().collect();
         let renew = |uncarried: &[(i64, Uuid)]| {
-            in_worker_transaction("renewing leases", || lease::renew_leases(uncarried, worker_id, lease_seconds));
+            in_worker_transaction("renewing leases", || {
+                lease::renew_leases(uncarried, worker_id, lease_seconds)
+            });
         };
         match runner::run_in_runner(number, role, leases, &following, lease_seconds, &mut renewal, renew) {
             Ok(()) => taken += leases.len(),

@@ -896,7 +896,11 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
             .iter()
             .map(|row| row.get(0))
             .collect();
-        assert!(std::time::Instant::now() < deadline, "one claim to take the three jobs: {jobs:?}\n{}", cluster.server_log());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "one claim to take the three jobs: {jobs:?}\n{}",
+            cluster.server_log()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut holding = app_a.transaction().unwrap();
@@ -906,7 +910,11 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
     });
     holding.rollback().unwrap();
     let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");
-    assert_eq!((state.as_str(), code, attempts), ("succeeded", None, 1), "app_b's job ran on its one attempt");
+    assert_eq!(
+        (state.as_str(), code, attempts),
+        ("succeeded", None, 1),
+        "app_b's job ran on its one attempt"
+    );
     assert_eq!(
         count(&mut admin, "SELECT count(*) FROM public.effects WHERE what = 'slow'"),
         1,
@@ -969,9 +977,13 @@ fn what_one_roles_handler_compiles_never_decides_what_another_roles_handler_runs
         .iter()
         .map(|row| (row.get(0), row.get(1)))
         .collect();
-    let (captures, others): (Vec<_>, Vec<_>) = log.into_iter().partition(|(_, what)| what.starts_with("capture"));
+    let (captures, others): (Vec<_>, Vec<_>) =
+        log.into_iter().partition(|(_, what)| what.starts_with("capture"));
     assert!(!captures.is_empty(), "app_a's own job ran its own domain's check");
-    assert!(captures.iter().all(|(who, what)| who == "app_a" && what == "capture ran as app_a"), "{captures:?}");
+    assert!(
+        captures.iter().all(|(who, what)| who == "app_a" && what == "capture ran as app_a"),
+        "{captures:?}"
+    );
     let expected = [("app_a", "shared 1"), ("app_b", "shared 2"), ("postgres", "shared 3")];
     assert_eq!(others, expected.map(|(who, what)| (who.to_string(), what.to_string())));
     assert_eq!(count(&mut admin, "SELECT count(*) FROM pg_roles WHERE rolname = 'app_a' AND rolsuper"), 0);
@@ -986,7 +998,9 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     // Room for the worker only: app_a's job binds it; app_b's batch needs a role runner, finds no
     // slot, and goes back to the queue again and again, never losing an attempt or counting as
     // claimed, while app_a's jobs go on.
-    let (cluster, mut admin) = cluster_with_app_roles(&format!("{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\n"));
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\n"
+    ));
     admin
         .batch_execute(
             "CREATE TABLE public.effects (who name);
@@ -1005,7 +1019,10 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's second job", || finished(&mut admin) == 2);
     let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");
-    assert!(matches!(state.as_str(), "available" | "running") && code.is_none() && attempts <= 1, "{state} {code:?} {attempts}");
+    assert!(
+        matches!(state.as_str(), "available" | "running") && code.is_none() && attempts <= 1,
+        "{state} {code:?} {attempts}"
+    );
     assert_eq!(metric(&mut admin, "claimed"), 2, "only the jobs that ran count as claimed");
     let log = cluster.server_log();
     assert!(log.contains("no role runner could start"), "{log}");

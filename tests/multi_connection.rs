@@ -1,7 +1,7 @@
 //! Many connections against one real cluster: claims never overlap, fencing holds across
 //! sessions, and cancel races complete cleanly.
 
-use harness::{claim, complete, sqlstate, Cluster};
+use harness::{claim, complete, count, sqlstate, wait_until, Cluster};
 use postgres::Client;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -218,7 +218,7 @@ fn documented_roles_can_do_exactly_their_part() {
                  durable_jobs.cancel_durable_job(bigint)
                TO app_producer, other_producer;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.claim_next_durable_job(text, text[], integer),
+                 durable_jobs.claim_next_durable_job(text, text[], integer, text[]),
                  durable_jobs.complete_durable_job(bigint, text, uuid),
                  durable_jobs.fail_durable_job(bigint, text, uuid, text),
                  durable_jobs.extend_durable_job_lease(bigint, text, uuid, integer)
@@ -283,23 +283,63 @@ fn intake_switch_stops_enqueue_but_not_claims() {
     let cluster = Cluster::start("");
     let mut client = cluster.connect();
     let job_id = enqueue(&mut client, "k", 1)[0];
-    client.batch_execute("ALTER SYSTEM SET durable_jobs.intake_enabled = off").unwrap();
-    client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    // A new session reads the reloaded configuration.
-    thread::sleep(Duration::from_millis(300));
-    let mut client = cluster.connect();
-    let error = client
-        .batch_execute("SELECT durable_jobs.enqueue_durable_job('k', '{}')")
-        .expect_err("intake is off");
-    assert_eq!(sqlstate(&error), "55000");
+    let keyed: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 1}', 'key-1')", &[])
+        .unwrap()
+        .get(0);
+    let set_intake = |client: &mut Client, value: &str| {
+        client.batch_execute(&format!("ALTER SYSTEM SET durable_jobs.intake_enabled = {value}")).unwrap();
+        client.batch_execute("SELECT pg_reload_conf()").unwrap();
+        // A new session reads the reloaded configuration.
+        wait_until(Duration::from_secs(10), "the reload", || {
+            cluster
+                .connect()
+                .query_one("SELECT current_setting('durable_jobs.intake_enabled')", &[])
+                .unwrap()
+                .get::<_, String>(0)
+                == value
+        });
+        cluster.connect()
+    };
+    let mut client = set_intake(&mut client, "off");
+    let identity = |client: &mut Client| -> i64 {
+        client.query_one("SELECT last_value FROM durable_jobs.durable_job_job_id_seq", &[]).unwrap().get(0)
+    };
+    let identity_before = identity(&mut client);
+    for refused in [
+        "SELECT durable_jobs.enqueue_durable_job('k', '{}')",
+        // A new key, and a key bound to another payload: each would take something in.
+        "SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 1}', 'key-2')",
+        "SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 2}', 'key-1')",
+        "SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"n\": 1}', '{\"n\": 3}']::jsonb[], ARRAY['key-1', 'key-3'])",
+    ] {
+        let error = client.batch_execute(refused).expect_err("intake is off");
+        assert_eq!(sqlstate(&error), "55000", "{refused}");
+    }
+    // Producers retry enqueues after timeouts: the key's own job comes back, nothing is taken in.
+    let again: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 1}', 'key-1')", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(again, keyed);
+    let again: Vec<i64> = client
+        .query(
+            "SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"n\": 1}']::jsonb[], ARRAY['key-1'])",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(again, vec![keyed]);
+    assert_eq!(identity(&mut client), identity_before, "no identity value was drawn");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
+
     let job = claim(&mut client, "w", 60).expect("claims go on");
     assert_eq!(job.job_id, job_id);
     assert_eq!(complete(&mut client, &job, "w"), "succeeded");
 
-    client.batch_execute("ALTER SYSTEM RESET durable_jobs.intake_enabled").unwrap();
-    client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    thread::sleep(Duration::from_millis(300));
-    let mut client = cluster.connect();
+    let mut client = set_intake(&mut client, "on");
     assert_eq!(enqueue(&mut client, "k", 1).len(), 1);
 }
 

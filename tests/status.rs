@@ -80,7 +80,8 @@ fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
         );
         assert_eq!(complete(&mut worker, &claimed, "external-1"), "succeeded");
         let committed = Instant::now();
-        let (state, returned) = waiters[index].recv_timeout(Duration::from_secs(10)).expect("the waiter returns");
+        let (state, returned) =
+            waiters[index].recv_timeout(Duration::from_secs(10)).expect("the waiter returns");
         assert_eq!(state.as_deref(), Some("succeeded"));
         // Far below the once-a-second re-read: the commit woke it.
         let latency = returned.saturating_duration_since(committed);
@@ -131,7 +132,10 @@ fn a_waiter_wakes_when_the_background_worker_commits_or_a_cancel_or_replay_does(
             .unwrap();
         let (state, seconds_after_finish): (String, f64) = (row.get(0), row.get(1));
         assert_eq!(state, "succeeded");
-        assert!(seconds_after_finish < 0.3, "round {round}: returned {seconds_after_finish} s after the worker finished the job");
+        assert!(
+            seconds_after_finish < 0.3,
+            "round {round}: returned {seconds_after_finish} s after the worker finished the job"
+        );
     }
     assert_eq!(
         client.query_one("SELECT count(*) FROM public.effects WHERE n = 7", &[]).unwrap().get::<_, i64>(0),
@@ -165,7 +169,8 @@ fn a_query_cancel_ends_a_wait_at_once_and_snapshots_that_cannot_see_change_are_r
     let mut waiting = cluster.connect();
     let (sender, receiver) = mpsc::channel();
     thread::spawn(move || {
-        let outcome = waiting.query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 60)", &[&job_id]);
+        let outcome =
+            waiting.query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 60)", &[&job_id]);
         let _ = sender.send(outcome.err().map(|e| sqlstate(&e)));
     });
     wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut client).len() == 1);

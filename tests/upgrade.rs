@@ -4,8 +4,8 @@
 //! and work must go on. The rollback script must bring it back to a fresh 0.1.0 install.
 
 use harness::{
-    claim_from, complete, count, extension_data, job_outcome, wait_until, Cluster,
-    RECORD_HANDLER, WORKER_CONF,
+    claim_from, complete, count, extension_data, job_outcome, wait_until, Cluster, RECORD_HANDLER,
+    WORKER_CONF,
 };
 use postgres::{Client, GenericClient};
 use std::collections::BTreeSet;
@@ -99,6 +99,13 @@ const CATALOG_FACTS: &str = r#"
     FROM pg_catalog.pg_description d, pg_catalog.pg_depend m, extension e
     WHERE m.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND m.refobjid = e.oid
       AND m.deptype = 'e' AND d.classoid = m.classid AND d.objoid = m.objid
+    UNION ALL
+    -- The privileges pg_dump takes as the extension's own (it dumps only what differs).
+    SELECT 'initial privileges: ' || pg_catalog.pg_describe_object(i.classoid, i.objoid, i.objsubid) || ' '
+           || i.privtype::text || ' ' || i.initprivs::text
+    FROM pg_catalog.pg_init_privs i, pg_catalog.pg_depend m, extension e
+    WHERE m.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND m.refobjid = e.oid
+      AND m.deptype = 'e' AND i.classoid = m.classid AND i.objoid = m.objid
 "#;
 
 fn catalog_facts(client: &mut Client) -> BTreeSet<String> {
@@ -161,10 +168,13 @@ fn all_jobs(client: &mut impl GenericClient) -> Vec<String> {
 }
 
 /// The operator's own setup: roles and grants, which an update must keep.
+// The claim's signature changes in 0.4.0: an update keeps the grants given on it (the catalog
+// comparison sees its ACL and what pg_dump takes as the extension's own privileges).
 const OPERATOR_GRANTS: &str = "
     GRANT USAGE ON SCHEMA durable_jobs TO upgrade_producer;
     GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz,
-                                                              integer, integer) TO upgrade_producer;";
+                                                              integer, integer) TO upgrade_producer;
+    GRANT EXECUTE ON FUNCTION durable_jobs.claim_next_durable_job TO upgrade_producer WITH GRANT OPTION;";
 
 fn create_database(cluster: &Cluster, name: &str) -> Client {
     cluster.connect().batch_execute(&format!("CREATE DATABASE {name}")).expect("create database");
@@ -224,7 +234,10 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
     update.commit().unwrap();
     assert_eq!(jobs_during, jobs_before, "the update rewrites no job");
     assert_eq!(
-        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE state_version <> 1 OR replay_count <> 0"),
+        count(
+            &mut client,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE state_version <> 1 OR replay_count <> 0"
+        ),
         0,
         "existing jobs start at state_version 1 and replay_count 0"
     );

@@ -298,6 +298,53 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
 }
 
 #[test]
+fn with_log_handler_errors_on_the_worker_logs_each_handler_error_without_the_payload() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.log_handler_errors = on\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.refuse(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'ledger refused the transfer' USING ERRCODE = '22012'; END $$;
+             SELECT durable_jobs.register_durable_job_handler('refuse', 'public.refuse(jsonb)');
+             CREATE FUNCTION public.noop(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             SELECT durable_jobs.register_durable_job_handler('noop', 'public.noop(jsonb)');",
+        )
+        .unwrap();
+    let failed_job = |client: &mut Client, secret: &str| -> i64 {
+        let job_id: i64 = client
+            .query_one("SELECT durable_jobs.enqueue_durable_job('refuse', jsonb_build_object('secret', $1::text), max_attempts => 1)", &[&secret])
+            .unwrap()
+            .get(0);
+        wait_until(Duration::from_secs(30), "the job to fail", || {
+            count(client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {job_id} AND job_state = 'failed'")) == 1
+        });
+        job_id
+    };
+    let logged = failed_job(&mut client, "payload-secret-one");
+    let line = format!(
+        "job {logged} (kind refuse, attempt 1) failed with SQLSTATE 22012: ledger refused the transfer"
+    );
+    wait_until(Duration::from_secs(10), "the error in the log", || cluster.server_log().contains(&line));
+
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.log_handler_errors = off").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(Duration::from_secs(10), "the server to read the reload", || {
+        cluster.server_log().contains("parameter \"durable_jobs.log_handler_errors\" changed to \"off\"")
+    });
+    // The worker reloads at the start of a poll: once it has run a job claimed after the
+    // reload was signalled, every later poll has the new value.
+    let noop: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('noop', '{}')", &[]).unwrap().get(0);
+    wait_until(Duration::from_secs(30), "the no-op job to run", || {
+        count(&mut client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {noop} AND job_state = 'succeeded'")) == 1
+    });
+    let quiet = failed_job(&mut client, "payload-secret-two");
+    let log = cluster.server_log();
+    assert!(!log.contains(&format!("job {quiet} (kind")), "logged with the setting off:\n{log}");
+    assert!(!log.contains("payload-secret"), "a payload reached the log:\n{log}");
+}
+
+#[test]
 fn a_worker_started_before_create_extension_waits_quietly() {
     let cluster = Cluster::start_without_extension(WORKER_CONF);
     let mut client = cluster.connect();
@@ -481,6 +528,28 @@ fn finished_jobs_are_pruned_after_the_retention_period() {
             && count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job") == 1
     });
     assert_eq!(jobs_in_state(&mut client, "available"), 1);
+}
+
+#[test]
+fn finished_jobs_are_pruned_with_the_worker_switched_off() {
+    // Preloaded, worker off (the default, and the rollback step): jobs finished by external
+    // workers still go once their retention ends. 0.3.0 kept them for ever.
+    let cluster =
+        Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.retention_period = 1\n");
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "SELECT durable_jobs.enqueue_durable_job('external', jsonb_build_object('n', g)) FROM generate_series(1, 3) g",
+        )
+        .unwrap();
+    for _ in 0..2 {
+        let job = harness::claim(&mut client, "w", 60).expect("a job");
+        assert_eq!(harness::complete(&mut client, &job, "w"), "succeeded");
+    }
+    wait_until(Duration::from_secs(30), "the finished jobs to be deleted", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job") == 1
+    });
+    assert_eq!(jobs_in_state(&mut client, "available"), 1, "only finished jobs go");
 }
 
 #[test]

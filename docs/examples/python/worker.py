@@ -21,6 +21,8 @@ import time
 import psycopg
 
 LEASE_SECONDS = int(os.environ.get("DURABLE_JOBS_LEASE_SECONDS", "30"))
+# The claim takes only these kinds: a worker never touches work it cannot do.
+HANDLED_KINDS = ["greet"]
 IDLE_SLEEP = 0.2
 
 
@@ -38,8 +40,8 @@ class TransientFailure(Exception):
 
 def do_work(conn, job_kind, payload):
     """Runs inside the transaction that completes the job, so its writes commit with it."""
-    if job_kind != "greet":
-        raise PermanentFailure(f"unknown job kind {job_kind}")
+    if "name" not in payload:
+        raise PermanentFailure("a greet job needs a name")
     if payload.get("fail") == "transient":
         raise TransientFailure("the target is down")
     time.sleep(float(payload.get("seconds", 0)))
@@ -75,8 +77,8 @@ def run_one(dsn, conn, worker_id):
     """Claims and handles one job; returns False when the queue had none ready."""
     row = conn.execute(
         "SELECT job_id, lease_token, job_kind, payload"
-        " FROM durable_jobs.claim_next_durable_job(%s, NULL, %s)",
-        (worker_id, LEASE_SECONDS),
+        " FROM durable_jobs.claim_next_durable_job(%s, NULL, %s, %s)",
+        (worker_id, LEASE_SECONDS, HANDLED_KINDS),
     ).fetchone()
     if row is None:
         return False

@@ -36,10 +36,11 @@ impl Failure {
 }
 
 /// Runs inside the transaction that completes the job, so its writes commit with it.
-fn do_work(txn: &mut Transaction, job_kind: &str, payload: &str) -> Result<(), Failure> {
-    if job_kind != "greet" {
-        return Err(Failure::Permanent);
-    }
+/// The claim takes only these kinds: a worker never touches work it cannot do.
+const HANDLED_KINDS: [&str; 1] = ["greet"];
+
+/// The work of a `greet` job, the only kind claimed.
+fn do_work(txn: &mut Transaction, payload: &str) -> Result<(), Failure> {
     let row = txn
         .query_one(
             "SELECT $1::text::jsonb->>'name', ($1::text::jsonb->>'fail') = 'transient',
@@ -80,19 +81,18 @@ fn heartbeat(dsn: String, job_id: i64, worker_id: String, token: String, lease: 
 /// Claims and handles one job; Ok(false) when none was ready.
 fn run_one(client: &mut Client, dsn: &str, worker_id: &str, lease: i32) -> Result<bool, postgres::Error> {
     let Some(row) = client.query_opt(
-        "SELECT job_id, lease_token::text, job_kind, payload::text
-         FROM durable_jobs.claim_next_durable_job($1, NULL, $2)",
-        &[&worker_id, &lease],
+        "SELECT job_id, lease_token::text, payload::text
+         FROM durable_jobs.claim_next_durable_job($1, NULL, $2, $3)",
+        &[&worker_id, &lease, &HANDLED_KINDS.as_slice()],
     )?
     else {
         return Ok(false);
     };
-    let (job_id, token, job_kind, payload): (i64, String, String, String) =
-        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let (job_id, token, payload): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
     let stop_heartbeat = heartbeat(dsn.to_owned(), job_id, worker_id.to_owned(), token.clone(), lease);
 
     let mut txn = client.transaction()?;
-    let failure = match do_work(&mut txn, &job_kind, &payload) {
+    let failure = match do_work(&mut txn, &payload) {
         Ok(()) => {
             let outcome: String = txn
                 .query_one(
