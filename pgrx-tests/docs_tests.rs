@@ -64,6 +64,20 @@ fn documented_signatures_match_the_catalog() {
 }
 
 #[pg_test]
+fn documented_views_match_the_catalog() {
+    let documented: Vec<String> = doc_section("## Views")
+        .into_iter()
+        .filter_map(|l| l.strip_prefix("`durable_jobs."))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect();
+    let installed = catalog_list(
+        "SELECT relname::text FROM pg_class WHERE relnamespace = 'durable_jobs'::regnamespace AND relkind = 'v'",
+    );
+    assert_eq!(sorted(documented), sorted(installed));
+}
+
+#[pg_test]
 fn documented_settings_match_the_catalog() {
     // The test cluster preloads durable_jobs, so the restart-only settings exist too.
     let installed = catalog_list("SELECT name FROM pg_settings WHERE name LIKE 'durable_jobs.%'");

@@ -169,7 +169,46 @@ fn prometheus_exposition_has_fixed_names_and_types() {
     assert!(!text.contains("secret"));
     // Every sample line names a durable_jobs_ metric; every metric has HELP and TYPE.
     let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
-    assert_eq!(samples.len(), 11);
+    // Eleven, three per-queue gauges for the one queue, and the count of queues left out.
+    assert_eq!(samples.len(), 15, "{text}");
     assert!(samples.iter().all(|l| l.starts_with("durable_jobs_")));
-    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 7);
+    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 11);
+}
+
+#[pg_test]
+fn prometheus_exposition_has_per_queue_gauges() {
+    Spi::run(
+        "SELECT durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[3]), NULL, 'emails',
+                                                 now() - interval '90 seconds');
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'reports', now() + interval '1 hour');
+         SELECT durable_jobs.pause_durable_job_queue('paused_empty');",
+    )
+    .unwrap();
+    claim_from("emails").unwrap();
+    let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
+    for line in [
+        "durable_jobs_queue_ready_jobs{queue=\"emails\"} 2\n",
+        "durable_jobs_queue_running_jobs{queue=\"emails\"} 1\n",
+        "durable_jobs_queue_ready_jobs{queue=\"reports\"} 0\n",
+        "durable_jobs_queue_oldest_ready_age_seconds{queue=\"reports\"} 0.000\n",
+        "durable_jobs_queue_ready_jobs{queue=\"paused_empty\"} 0\n",
+        "durable_jobs_queues_not_exported 0\n",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
+    let age: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("durable_jobs_queue_oldest_ready_age_seconds{queue=\"emails\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((90.0..3600.0).contains(&age), "{age}");
+    // Bounded: past 100 queues the rest is only counted.
+    Spi::run(
+        "SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'q' || g) FROM generate_series(1, 120) g",
+    )
+    .unwrap();
+    let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
+    assert_eq!(text.lines().filter(|l| l.starts_with("durable_jobs_queue_ready_jobs{")).count(), 100);
+    assert!(text.contains("durable_jobs_queues_not_exported 23\n"), "{text}");
 }

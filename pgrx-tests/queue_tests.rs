@@ -131,3 +131,51 @@ fn the_running_count_reads_the_clock_so_it_is_volatile() {
     );
     assert_eq!(volatility, "v");
 }
+
+#[pg_test]
+fn an_admin_reads_handlers_and_queue_controls_it_may_not_write() {
+    Spi::run(
+        "CREATE FUNCTION public.greet(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         SELECT durable_jobs.register_durable_job_handler('greet', 'public.greet(jsonb)');
+         SELECT durable_jobs.pause_durable_job_queue('emails');
+         SELECT durable_jobs.set_durable_job_queue_concurrency('reports', 4);
+         CREATE ROLE dj_test_admin;
+         GRANT USAGE ON SCHEMA durable_jobs TO dj_test_admin;
+         GRANT SELECT ON durable_jobs.durable_job_handlers, durable_jobs.durable_job_queue_controls,
+                         durable_jobs.durable_job_queue_summary TO dj_test_admin;
+         GRANT USAGE ON SCHEMA tests TO dj_test_admin;
+         SET LOCAL ROLE dj_test_admin",
+    )
+    .unwrap();
+    assert_eq!(
+        one::<String>("SELECT job_kind || ' ' || handler || ' ' || registered_by FROM durable_jobs.durable_job_handlers"),
+        "greet public.greet(jsonb) postgres"
+    );
+    assert_eq!(
+        one::<String>(
+            "SELECT string_agg(queue_name || ' ' || paused || ' ' || coalesce(concurrency_limit::text, '-'), ', '
+                               ORDER BY queue_name)
+             FROM durable_jobs.durable_job_queue_controls"
+        ),
+        "emails true -, reports false 4"
+    );
+    // A paused queue with no job still shows in the summary (0.3.0 left it out).
+    assert_eq!(
+        one::<String>(
+            "SELECT string_agg(queue_name || ' ' || coalesce(job_state, '-') || ' ' || job_count || ' ' || queue_paused, ', '
+                               ORDER BY queue_name)
+             FROM durable_jobs.durable_job_queue_summary"
+        ),
+        "emails - 0 true, reports - 0 false"
+    );
+    // Reading grants no write: the tables stay closed.
+    assert_eq!(sqlstate_of("SELECT * FROM durable_jobs.durable_job_handler").as_deref(), Some("42501"));
+    assert_eq!(sqlstate_of("UPDATE durable_jobs.durable_job_queue SET paused = false").as_deref(), Some("42501"));
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'emails')").unwrap();
+    assert_eq!(
+        one::<String>("SELECT string_agg(coalesce(job_state, '-'), ',') FROM durable_jobs.durable_job_queue_summary WHERE queue_name = 'emails'"),
+        "available",
+        "a queue with jobs has its per-state rows only"
+    );
+}

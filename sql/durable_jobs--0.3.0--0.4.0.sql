@@ -189,3 +189,35 @@ BEGIN
 END
 $carry$;
 DROP FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4);
+
+-- A paused (or limited) queue with no job shows in the summary.
+CREATE OR REPLACE VIEW durable_jobs.durable_job_queue_summary AS
+SELECT j.queue_name,
+       j.job_state,
+       pg_catalog.count(*) AS job_count,
+       pg_catalog.max(pg_catalog.clock_timestamp() - j.run_after)
+           FILTER (WHERE j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
+           AS oldest_ready_age,
+       pg_catalog.count(*)
+           FILTER (WHERE j.job_state = 'running' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
+           AS expired_leases,
+       COALESCE(q.paused, false) AS queue_paused,
+       q.concurrency_limit
+FROM durable_jobs.durable_job j
+LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit
+UNION ALL
+-- A queue with a control but no job still shows, with no state, so that a paused queue is seen.
+SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit
+FROM durable_jobs.durable_job_queue q
+WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name);
+
+-- What an operator who registers handlers or controls queues may read of them (no write).
+CREATE VIEW durable_jobs.durable_job_handlers AS
+SELECT h.job_kind, h.handler, h.registered_by, h.registered_at
+FROM durable_jobs.durable_job_handler h;
+
+CREATE VIEW durable_jobs.durable_job_queue_controls AS
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at
+FROM durable_jobs.durable_job_queue q;
+REVOKE ALL ON durable_jobs.durable_job_handlers, durable_jobs.durable_job_queue_controls FROM PUBLIC;

@@ -49,6 +49,23 @@ END
 $carry$;
 DROP FUNCTION durable_jobs.claim_next_durable_job(pg_catalog.text, pg_catalog.text[], pg_catalog.int4, pg_catalog.text[]);
 
+DROP VIEW durable_jobs.durable_job_handlers, durable_jobs.durable_job_queue_controls;
+CREATE OR REPLACE VIEW durable_jobs.durable_job_queue_summary AS
+SELECT j.queue_name,
+       j.job_state,
+       pg_catalog.count(*) AS job_count,
+       pg_catalog.max(pg_catalog.clock_timestamp() - j.run_after)
+           FILTER (WHERE j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
+           AS oldest_ready_age,
+       pg_catalog.count(*)
+           FILTER (WHERE j.job_state = 'running' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
+           AS expired_leases,
+       COALESCE(q.paused, false) AS queue_paused,
+       q.concurrency_limit
+FROM durable_jobs.durable_job j
+LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit;
+
 DROP FUNCTION durable_jobs.get_durable_job(pg_catalog.int8);
 DROP FUNCTION durable_jobs.list_durable_jobs(pg_catalog.text, pg_catalog.text[], pg_catalog.text,
                                              pg_catalog.int4, pg_catalog.text);

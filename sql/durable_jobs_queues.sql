@@ -65,7 +65,12 @@ SELECT j.queue_name,
        q.concurrency_limit
 FROM durable_jobs.durable_job j
 LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
-GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit;
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit
+UNION ALL
+-- A queue with a control but no job still shows, with no state, so that a paused queue is seen.
+SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit
+FROM durable_jobs.durable_job_queue q
+WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name);
 
 -- Jobs that failed in the last hour, per queue and failure code.
 CREATE VIEW durable_jobs.durable_job_recent_failures AS
@@ -73,3 +78,12 @@ SELECT j.queue_name, j.last_failure_code AS failure_code, pg_catalog.count(*) AS
 FROM durable_jobs.durable_job j
 WHERE j.job_state = 'failed' AND j.finished_at > pg_catalog.clock_timestamp() - interval '1 hour'
 GROUP BY j.queue_name, j.last_failure_code;
+
+-- What an operator who registers handlers or controls queues may read of them (no write).
+CREATE VIEW durable_jobs.durable_job_handlers AS
+SELECT h.job_kind, h.handler, h.registered_by, h.registered_at
+FROM durable_jobs.durable_job_handler h;
+
+CREATE VIEW durable_jobs.durable_job_queue_controls AS
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at
+FROM durable_jobs.durable_job_queue q;

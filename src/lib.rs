@@ -40,7 +40,7 @@ mod worker;
 // pgrx has created every function (CREATE FUNCTION grants EXECUTE to PUBLIC by default).
 extension_sql_file!("../sql/durable_jobs_schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/durable_jobs_handlers.sql", name = "handlers", requires = ["schema"]);
-extension_sql_file!("../sql/durable_jobs_queues.sql", name = "queues", requires = ["schema"]);
+extension_sql_file!("../sql/durable_jobs_queues.sql", name = "queues", requires = ["schema", "handlers"]);
 extension_sql_file!("../sql/durable_jobs_status.sql", name = "status", requires = ["schema"]);
 extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", finalize);
 

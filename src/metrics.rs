@@ -29,11 +29,23 @@ impl Counter {
     fn help(self) -> &'static str {
         match self {
             Counter::IdlePolls => "Background worker polls that found no job.",
-            Counter::Claimed => "Jobs the background workers claimed.",
-            Counter::Succeeded => "Handler runs that committed with their job's success.",
-            Counter::Retried => "Handler failures that sent the job back for another attempt.",
-            Counter::Failed => "Handler failures that ended the job.",
-            Counter::Stale => "Claimed jobs whose lease was lost before the worker finished them.",
+            Counter::Claimed => "Jobs the background workers claimed (external workers' claims excluded).",
+            Counter::Succeeded => {
+                "Handler runs of the background workers that committed with their job's success \
+                                   (external workers excluded)."
+            }
+            Counter::Retried => {
+                "Handler failures in the background workers that sent the job back for another \
+                                 attempt (external workers excluded)."
+            }
+            Counter::Failed => {
+                "Handler failures in the background workers that ended the job (external workers \
+                                excluded)."
+            }
+            Counter::Stale => {
+                "Jobs the background workers claimed whose lease was lost before they finished them \
+                               (external workers excluded)."
+            }
         }
     }
 
@@ -154,5 +166,90 @@ fn durable_job_metrics_prometheus() -> String {
         let state = name.trim_start_matches("jobs_");
         text.push_str(&format!("durable_jobs_jobs{{state=\"{state}\"}} {value}\n"));
     }
+    text.push_str(&queue_gauges());
     text
+}
+
+/// At most this many queues get their own series; the rest are counted in
+/// `durable_jobs_queues_not_exported`.
+pub const EXPORTED_QUEUES_LIMIT: i64 = 100;
+
+// Per queue with a pending job or a control: ready jobs (available, run_after passed), running
+// jobs, and the age of the oldest ready job; the queues with the most ready jobs first. Reads
+// only pending jobs (through the claim order index's states).
+const QUEUE_GAUGES: &str = "
+    WITH pending AS (
+        SELECT j.queue_name,
+               pg_catalog.count(*) FILTER (WHERE j.job_state = 'available' AND j.run_after <= pg_catalog.now()) AS ready,
+               pg_catalog.count(*) FILTER (WHERE j.job_state = 'running') AS running,
+               pg_catalog.min(j.run_after) FILTER (WHERE j.job_state = 'available' AND j.run_after <= pg_catalog.now())
+                   AS oldest_ready
+        FROM durable_jobs.durable_job j
+        WHERE j.job_state IN ('available', 'running')
+        GROUP BY j.queue_name),
+    queues AS (
+        SELECT COALESCE(p.queue_name, q.queue_name) AS queue_name,
+               COALESCE(p.ready, 0) AS ready, COALESCE(p.running, 0) AS running,
+               COALESCE(pg_catalog.date_part('epoch', pg_catalog.now() - p.oldest_ready), 0)::pg_catalog.float8 AS age
+        FROM pending p FULL JOIN durable_jobs.durable_job_queue q ON q.queue_name = p.queue_name)
+    SELECT queue_name, ready, running, age, pg_catalog.count(*) OVER () AS queues
+    FROM queues
+    ORDER BY ready DESC, queue_name
+    LIMIT $1";
+
+/// The per-queue gauges in Prometheus text, with each queue as a label.
+fn queue_gauges() -> String {
+    let rows: Vec<(String, i64, i64, f64, i64)> = as_extension_owner(|| {
+        Spi::connect(|client| {
+            client
+                .select(QUEUE_GAUGES, None, &[EXPORTED_QUEUES_LIMIT.into()])
+                .expect("queue gauges")
+                .map(|row| {
+                    (
+                        row.get(1).unwrap().unwrap(),
+                        row.get(2).unwrap().unwrap(),
+                        row.get(3).unwrap().unwrap(),
+                        row.get(4).unwrap().unwrap(),
+                        row.get(5).unwrap().unwrap(),
+                    )
+                })
+                .collect()
+        })
+    });
+    let total = rows.first().map_or(0, |row| row.4);
+    let mut text = String::new();
+    let gauges: [(&str, &str, fn(&(String, i64, i64, f64, i64)) -> String); 3] = [
+        (
+            "durable_jobs_queue_ready_jobs",
+            "Jobs ready to run now (available, run_after passed), per queue.",
+            |r| r.1.to_string(),
+        ),
+        (
+            "durable_jobs_queue_running_jobs",
+            "Running jobs (holding a lease, live or expired), per queue.",
+            |r| r.2.to_string(),
+        ),
+        (
+            "durable_jobs_queue_oldest_ready_age_seconds",
+            "How long the oldest ready job of the queue has waited; 0 when none is ready.",
+            |r| format!("{:.3}", r.3),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+        for row in &rows {
+            text.push_str(&format!("{name}{{queue=\"{}\"}} {}\n", label_value(&row.0), value(row)));
+        }
+    }
+    text.push_str(&format!(
+        "# HELP durable_jobs_queues_not_exported Queues left out of the per-queue gauges (beyond the first {EXPORTED_QUEUES_LIMIT} by ready jobs).\n\
+         # TYPE durable_jobs_queues_not_exported gauge\ndurable_jobs_queues_not_exported {}\n",
+        (total - rows.len() as i64).max(0)
+    ));
+    text
+}
+
+/// A Prometheus label value: backslash, double quote and newline escaped.
+fn label_value(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
