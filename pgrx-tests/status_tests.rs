@@ -320,25 +320,37 @@ fn cancel_is_recorded_in_the_audit_table() {
 }
 
 /// Index entries a listing statement reads, and whether every scan in its plan is an index scan,
-/// from EXPLAIN (ANALYZE, BUFFERS) of the statement list_durable_jobs runs.
-fn listing_cost(queue_name: Option<&str>, job_states: &[&'static str], below: i64, page_size: i64) -> (i64, bool) {
+/// from EXPLAIN (ANALYZE, BUFFERS) of the statement list_durable_jobs runs for a caller that sees
+/// every job (`roles` None: the enqueuing roles of the table) or only `roles`.
+fn listing_cost(
+    queue_name: Option<&str>,
+    job_states: &[&'static str],
+    below: i64,
+    page_size: i64,
+    roles: Option<Vec<String>>,
+) -> (i64, bool) {
     let filters = crate::status::ListFilters {
         queue_name: queue_name.map(str::to_owned),
         job_states: job_states.to_vec(),
         job_kind: None,
     };
+    let sees_all = roles.is_none();
+    let roles = roles.unwrap_or_else(|| {
+        Spi::get_one::<Vec<String>>("SELECT array_agg(DISTINCT enqueued_by::text) FROM durable_jobs.durable_job")
+            .unwrap()
+            .unwrap()
+    });
     let plan = Spi::connect_mut(|client| {
         client
             .update(
-                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", filters.statement()),
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", filters.statement(sees_all, roles.len())),
                 None,
                 &[
                     below.into(),
                     page_size.into(),
                     queue_name.into(),
                     Option::<&str>::None.into(),
-                    true.into(),
-                    Vec::<String>::new().into(),
+                    roles.clone().into(),
                     "tag".into(),
                 ],
             )
@@ -366,38 +378,54 @@ fn listing_cost(queue_name: Option<&str>, job_states: &[&'static str], below: i6
 
 #[pg_test]
 fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states() {
-    // 200,000 succeeded jobs in two queues, a few failed ones among them, and some waiting.
+    // 200,000 succeeded jobs of two roles in two queues, a few failed ones among them, some
+    // waiting, and three jobs of a third role.
     Spi::run(
         "INSERT INTO durable_jobs.durable_job
              (queue_name, job_kind, job_state, payload, max_attempts, attempt_count, enqueued_by, finished_at,
               last_failure_code)
          SELECT CASE WHEN g % 2 = 0 THEN 'even' ELSE 'odd' END, 'k',
-                CASE WHEN g % 40000 = 7 THEN 'failed' ELSE 'succeeded' END, NULL, 1, 1, 'postgres', now(),
+                CASE WHEN g % 40000 = 7 THEN 'failed' ELSE 'succeeded' END, NULL, 1, 1,
+                CASE WHEN g % 3 = 0 THEN 'dj_test_busy' ELSE 'postgres' END, now(),
                 CASE WHEN g % 40000 = 7 THEN 'target_rejected' END
          FROM generate_series(1, 200000) g;
          INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
          SELECT 'odd', 'k', '{}', 1, 'postgres' FROM generate_series(1, 50);
+         INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
+         SELECT 'odd', 'k', '{}', 1, 'dj_test_few' FROM generate_series(1, 3);
          ANALYZE durable_jobs.durable_job",
     )
     .unwrap();
     let deep = one::<i64>("SELECT max(job_id) - 100000 FROM durable_jobs.durable_job");
-    for (what, queue, states, below) in [
-        ("first page", None, &[][..], i64::MAX),
-        ("page at depth 100,000", None, &[][..], deep),
-        ("first page of a queue", Some("odd"), &[][..], i64::MAX),
-        ("page of a queue at depth 100,000", Some("odd"), &[][..], deep),
-        ("rare state", None, &["failed"][..], i64::MAX),
-        ("rare state in a queue", Some("odd"), &["failed"][..], i64::MAX),
-        ("several states", None, &["available", "failed", "cancelled"][..], deep),
+    let few = || Some(vec!["dj_test_few".to_string()]);
+    for (what, queue, states, below, roles) in [
+        ("first page", None, &[][..], i64::MAX, None),
+        ("page at depth 100,000", None, &[][..], deep, None),
+        ("first page of a queue", Some("odd"), &[][..], i64::MAX, None),
+        ("page of a queue at depth 100,000", Some("odd"), &[][..], deep, None),
+        ("rare state", None, &["failed"][..], i64::MAX, None),
+        ("rare state in a queue", Some("odd"), &["failed"][..], i64::MAX, None),
+        ("several states", None, &["available", "failed", "cancelled"][..], deep, None),
+        // A role that sees only its own three jobs reads only their entries, whatever the
+        // other roles have: its timing says nothing about their jobs.
+        ("a role's own jobs", None, &[][..], i64::MAX, few()),
+        ("a role's own jobs in a queue", Some("odd"), &["available"][..], i64::MAX, few()),
+        ("a role's own rare state", None, &["failed"][..], i64::MAX, few()),
     ] {
-        let (entries, index_only) = listing_cost(queue, states, below, 100);
+        let own = roles.is_some();
+        let (entries, index_only) = listing_cost(queue, states, below, 100, roles);
         assert!(index_only, "{what}: every scan is an index scan");
-        // At most a page per merged index range (one per state; every state with only a queue);
-        // filtering through the table would read up to 200,000.
+        if own {
+            assert!(entries <= 3, "{what}: {entries} index entries for a role with 3 jobs");
+            continue;
+        }
+        // At most a page per merged index range (one per role and state; the primary key
+        // without states or queue); filtering through the table would read up to 200,000.
+        let roles = 3;
         let ranges = match (states.len(), queue) {
-            (0, Some(_)) => crate::status::JOB_STATES.len(),
             (0, None) => 1,
-            (n, _) => n,
+            (0, Some(_)) => roles * crate::status::JOB_STATES.len(),
+            (n, _) => roles * n,
         } as i64;
         assert!(entries <= 100 * ranges + ranges, "{what}: {entries} index entries for a page of 100");
     }
@@ -561,4 +589,41 @@ fn wait_returns_at_once_when_the_job_already_differs_and_at_the_timeout_otherwis
     }
     assert_rejected("SELECT * FROM durable_jobs.wait_for_durable_job(NULL)", "22004");
     assert_rejected(&format!("SELECT * FROM durable_jobs.wait_for_durable_job({job_id}, 1, NULL)"), "22004");
+}
+
+#[pg_test]
+fn a_listing_over_many_enqueuing_roles_still_walks_every_job_once() {
+    // 13 roles x 5 states is past the ranges merged in one statement: the lateral form runs.
+    Spi::run(
+        "INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
+         SELECT 'many', 'k', '{}', 1, 'role_' || (g % 13) FROM generate_series(1, 130) g",
+    )
+    .unwrap();
+    assert!(13 * crate::status::JOB_STATES.len() > crate::status::MERGED_RANGES_LIMIT);
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page: Vec<(i64, String)> = Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT job_id, page_cursor FROM durable_jobs.list_durable_jobs('many', page_size => 40, page_cursor => $1)",
+                    None,
+                    &[cursor.clone().into()],
+                )
+                .unwrap()
+                .map(|row| (row.get::<i64>(1).unwrap().unwrap(), row.get::<String>(2).unwrap().unwrap()))
+                .collect()
+        });
+        let Some((_, last)) = page.last() else { break };
+        cursor = Some(last.clone());
+        seen.extend(page.iter().map(|(job_id, _)| *job_id));
+    }
+    let expected: Vec<i64> = Spi::connect(|client| {
+        client
+            .select("SELECT job_id FROM durable_jobs.durable_job WHERE queue_name = 'many' ORDER BY job_id DESC", None, &[])
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    });
+    assert_eq!(seen, expected);
 }

@@ -21,9 +21,9 @@ ALTER TABLE durable_jobs.durable_job
         AND (last_failure_sqlstate IS NULL OR pg_catalog.octet_length(last_failure_sqlstate) = 5));
 
 CREATE INDEX durable_job_state_listing_idx
-    ON durable_jobs.durable_job (job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id);
 CREATE INDEX durable_job_queue_listing_idx
-    ON durable_jobs.durable_job (queue_name, job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id);
 
 -- Who cancelled or replayed which job, when, and from what state. Read by the extension owner.
 CREATE TABLE durable_jobs.durable_job_audit (

@@ -90,13 +90,14 @@ CREATE INDEX durable_job_lease_expiry_idx
     ON durable_jobs.durable_job (lease_expires_at)
     WHERE job_state = 'running';
 
--- Keyset pages of list_durable_jobs, newest first: one index range per state, with and
--- without a queue, so that a page reads about one page of entries however deep it is and
--- however rare the state.
+-- Keyset pages of list_durable_jobs, newest first: one index range per enqueuing role and
+-- state, with and without a queue, so that a page reads about one page of entries however deep
+-- it is and however rare the state, and a caller reads only entries of roles it may see. The
+-- role as text: a name would take 64 bytes in every entry.
 CREATE INDEX durable_job_state_listing_idx
-    ON durable_jobs.durable_job (job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id);
 CREATE INDEX durable_job_queue_listing_idx
-    ON durable_jobs.durable_job (queue_name, job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id);
 
 -- Finished jobs by age, for the retention pruning of the background workers.
 CREATE INDEX durable_job_finished_idx

@@ -248,43 +248,87 @@ impl ListFilters {
         })
     }
 
+    /// The states whose index ranges a listing reads: those asked for, or all of them.
+    fn range_states(&self) -> &[&'static str] {
+        if self.job_states.is_empty() {
+            &JOB_STATES
+        } else {
+            &self.job_states
+        }
+    }
+
+    /// Whether the listing reads the primary key from the cursor down: a caller that sees
+    /// every job, with neither states nor a queue to narrow it.
+    pub fn reads_primary_key(&self, sees_all: bool) -> bool {
+        sees_all && self.job_states.is_empty() && self.queue_name.is_none()
+    }
+
     /// The listing statement. $1: list jobs below this id; $2: page size; $3: queue; $4: kind;
-    /// $5: the caller sees every job; $6: else the roles whose jobs it sees; $7: the cursor tag.
-    /// With states or a queue it merges one index range per state (newest first), so that a page
-    /// reads about a page of index entries however rare the states; without either, the
-    /// primary key from the cursor down.
-    pub fn statement(&self) -> String {
-        let filters = "j.job_id < $1
-              AND ($4::pg_catalog.text IS NULL OR j.job_kind = $4)
-              AND ($5 OR j.enqueued_by = ANY ($6::pg_catalog.name[]))";
-        let range = |state: Option<&str>| {
-            let mut conditions = String::new();
-            if let Some(state) = state {
-                conditions.push_str(&format!("j.job_state = '{state}' AND "));
-            }
-            if self.queue_name.is_some() {
-                conditions.push_str("j.queue_name = $3 AND ");
-            }
+    /// $5: the enqueuing roles whose ranges are read (`roles` of them); $6: the cursor tag.
+    /// It merges one index range per role and state (newest first), so that a page reads
+    /// about a page of index entries however rare the states, and never an entry of a role
+    /// the caller may not see (whose count its timing would betray). Past
+    /// `MERGED_RANGES_LIMIT` ranges it reads each range by a lateral join instead: up to a
+    /// page from each, but the statement stays small.
+    pub fn statement(&self, sees_all: bool, roles: usize) -> String {
+        let kind = "AND ($4::pg_catalog.text IS NULL OR j.job_kind = $4)";
+        let queue = if self.queue_name.is_some() { "AND j.queue_name = $3" } else { "" };
+        let page = |from: String| {
             format!(
-                "(SELECT {} FROM durable_jobs.durable_job j WHERE {conditions}{filters}
-                  ORDER BY j.job_id DESC LIMIT $2)",
-                status_columns!()
+                "SELECT ROW(page.*, pg_catalog.to_hex(page.job_id) || '-' || $6)::durable_jobs.durable_job_listing
+                 FROM ({from}) AS page
+                 ORDER BY page.job_id DESC
+                 LIMIT $2"
             )
         };
-        let ranges: Vec<String> = match (self.job_states.as_slice(), &self.queue_name) {
-            ([], None) => vec![range(None)],
-            ([], Some(_)) => JOB_STATES.iter().map(|state| range(Some(state))).collect(),
-            (states, _) => states.iter().map(|state| range(Some(state))).collect(),
+        let columns = status_columns!();
+        if self.reads_primary_key(sees_all) {
+            return page(format!(
+                "SELECT {columns} FROM durable_jobs.durable_job j WHERE j.job_id < $1 {kind}
+                 ORDER BY j.job_id DESC LIMIT $2"
+            ));
+        }
+        let states = self.range_states();
+        let range = |role: &str, state: &str| {
+            format!(
+                "(SELECT {columns} FROM durable_jobs.durable_job j
+                  WHERE (j.enqueued_by)::pg_catalog.text = {role} AND j.job_state = {state} {queue}
+                    AND j.job_id < $1 {kind}
+                  ORDER BY j.job_id DESC LIMIT $2)"
+            )
         };
-        format!(
-            "SELECT ROW(page.*, pg_catalog.to_hex(page.job_id) || '-' || $7)::durable_jobs.durable_job_listing
-             FROM ({}) AS page
-             ORDER BY page.job_id DESC
-             LIMIT $2",
-            ranges.join(" UNION ALL ")
-        )
+        if roles * states.len() <= MERGED_RANGES_LIMIT {
+            let ranges: Vec<String> = (1..=roles)
+                .flat_map(|role| states.iter().map(move |state| (role, *state)))
+                .map(|(role, state)| range(&format!("$5[{role}]"), &format!("'{state}'")))
+                .collect();
+            if ranges.is_empty() {
+                return page(format!("SELECT {columns} FROM durable_jobs.durable_job j WHERE false"));
+            }
+            return page(ranges.join(" UNION ALL "));
+        }
+        let state_list = states.iter().map(|state| format!("'{state}'")).collect::<Vec<_>>().join(", ");
+        page(format!(
+            "SELECT j.* FROM pg_catalog.unnest($5::pg_catalog.text[]) AS r(role)
+             CROSS JOIN pg_catalog.unnest(ARRAY[{state_list}]) AS s(state),
+             LATERAL {} AS j",
+            range("r.role", "s.state")
+        ))
     }
 }
+
+/// Up to this many index ranges (roles x states) are merged in one statement.
+pub const MERGED_RANGES_LIMIT: usize = 60;
+
+/// The enqueuing roles of the job table, by a skip scan of the listing index: one descent per role.
+const ENQUEUING_ROLES: &str = "
+    WITH RECURSIVE roles(role) AS (
+        SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+        UNION ALL
+        SELECT (SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+                WHERE (j.enqueued_by)::pg_catalog.text > roles.role)
+        FROM roles WHERE roles.role IS NOT NULL)
+    SELECT COALESCE(pg_catalog.array_agg(role), '{}') FROM roles WHERE role IS NOT NULL";
 
 #[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
 #[search_path(pg_catalog, pg_temp)]
@@ -305,13 +349,19 @@ fn list_durable_jobs(
     let rows = as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let visible: Vec<String> = if sees_all {
+            // A caller that does not see every job reads the ranges of the roles it may see,
+            // whether they have jobs or not, so that nothing depends on other roles' jobs.
+            let roles: Vec<String> = if filters.reads_primary_key(sees_all) {
                 Vec::new()
             } else {
-                plans::execute(client, VISIBLE_ROLES, &[caller.role_oid.into()])
+                let (statement, args): (&str, Vec<pgrx::datum::DatumWithOid>) = match sees_all {
+                    true => (ENQUEUING_ROLES, vec![]),
+                    false => (VISIBLE_ROLES, vec![caller.role_oid.into()]),
+                };
+                plans::execute(client, statement, &args)
                     .first()
                     .get_one::<Vec<String>>()
-                    .expect("visible roles")
+                    .expect("roles")
                     .unwrap_or_default()
             };
             let args = [
@@ -319,14 +369,13 @@ fn list_durable_jobs(
                 i64::from(page_size).into(),
                 filters.queue_name.as_deref().into(),
                 filters.job_kind.as_deref().into(),
-                sees_all.into(),
-                visible.into(),
+                roles.clone().into(),
                 filters.cursor_tag().into(),
             ];
             // Planned for these values on every call (a listing is not a hot path), so that the
-            // plan always fits the page and the states asked for.
+            // plan always fits the page and the ranges it merges.
             client
-                .update(&filters.statement(), None, &args)
+                .update(&filters.statement(sees_all, roles.len()), None, &args)
                 .expect("list_durable_jobs")
                 .map(|row| row.get::<JobListingRow>(1).unwrap().expect("a listing row"))
                 .collect::<Vec<_>>()
