@@ -62,6 +62,16 @@ pub struct Installed {
 fn installed() -> Installed {
     let found = unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        // The job table first: an ALTER EXTENSION durable_jobs UPDATE in progress holds it, so a
+        // call that crosses one reads the version it left (the lock processes its invalidations),
+        // not the one before, and runs the statements of the schema it will meet.
+        let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), true);
+        if schema != pg_sys::Oid::INVALID {
+            let table = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
+            if table != pg_sys::Oid::INVALID {
+                pg_sys::LockRelationOid(table, lock);
+            }
+        }
         let catalog = pg_sys::table_open(pg_sys::ExtensionRelationId, lock);
         let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
         pg_sys::ScanKeyInit(

@@ -125,7 +125,7 @@ fn wait_for_durable_job(
     let slot = WaiterSlot::take(job_id);
     let row = loop {
         unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
-        let Some((row, state, version)) = read_job_with_version(job_id) else {
+        let Some((row, state, version)) = without_keeping_locks(|| read_job_with_version(job_id)) else {
             break None;
         };
         let changed = match known_version {
@@ -153,6 +153,32 @@ fn wait_for_durable_job(
     };
     drop(slot);
     SetOfIterator::new(row)
+}
+
+/// Runs `read` in a subtransaction that is then rolled back, so that the locks its statements
+/// took (the job table, its indexes, catalogs) go with it: a waiter holds none while it sleeps,
+/// and DDL on the table (ALTER EXTENSION UPDATE, say) does not wait for it, with every enqueue
+/// and claim queued behind that DDL. SPI copies what `read` returns into the caller's context.
+fn without_keeping_locks<R>(read: impl FnOnce() -> R) -> R {
+    unsafe {
+        let memory_context = pg_sys::CurrentMemoryContext;
+        let resource_owner = pg_sys::CurrentResourceOwner;
+        let leave = || {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            pg_sys::MemoryContextSwitchTo(memory_context);
+            pg_sys::CurrentResourceOwner = resource_owner;
+        };
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(memory_context);
+        let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(read))
+            .catch_others(|error| {
+                leave();
+                error.rethrow()
+            })
+            .execute();
+        leave();
+        result
+    }
 }
 
 /// The job's status row, if the current role sees the job.

@@ -90,6 +90,27 @@ fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
 }
 
 #[test]
+fn a_waiter_holds_no_lock_that_ddl_on_the_job_table_would_wait_for() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut producer = cluster.connect();
+    let job_id = enqueue(&mut producer, "external");
+    let waiter = spawn_waiter(&cluster, job_id, None, 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || {
+        waiting_sessions(&mut producer).iter().any(|(_, kind, _)| kind.as_deref() == Some("Extension"))
+    });
+    // What ALTER EXTENSION UPDATE takes: with a waiter's lock in the way, every enqueue and claim
+    // would queue behind it for as long as the wait lasts (0.4.0 before the review: 55P03 here).
+    let mut ddl = cluster.connect();
+    let mut locking = ddl.transaction().unwrap();
+    locking.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE NOWAIT").unwrap();
+    locking.rollback().unwrap();
+    assert!(waiter.recv_timeout(Duration::from_millis(200)).is_err(), "still waiting");
+    producer.execute("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(5)).expect("the cancel wakes it");
+    assert_eq!(state.as_deref(), Some("cancelled"));
+}
+
+#[test]
 fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncommitted() {
     let cluster = Cluster::start(PRELOADED);
     let mut producer = cluster.connect();

@@ -387,3 +387,39 @@ fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
         count(&mut client, "SELECT count(*) FROM public.effects") == 3
     });
 }
+
+#[test]
+fn a_call_that_waits_for_an_update_runs_against_the_schema_the_update_left() {
+    let cluster = Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'");
+    let mut client = cluster.connect();
+    client.batch_execute("CREATE EXTENSION durable_jobs VERSION '0.3.0'").unwrap();
+    let job_id: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('external', '{}')", &[]).unwrap().get(0);
+    let mut updating = client.transaction().unwrap();
+    updating.batch_execute("ALTER EXTENSION durable_jobs UPDATE").unwrap();
+    // A cancel started now waits for the update's lock on the job table.
+    let mut canceller = cluster.connect();
+    let cancel = std::thread::spawn(move || {
+        canceller.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).map(|row| row.get::<_, bool>(0))
+    });
+    let mut watcher = cluster.connect();
+    wait_until(Duration::from_secs(10), "the cancel to wait for the update", || {
+        count(
+            &mut watcher,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%cancel_durable_job%'",
+        ) == 1
+    });
+    updating.commit().unwrap();
+    assert!(cancel.join().unwrap().expect("the cancel"));
+    // 0.4.0's cancel moved state_version and wrote its audit row (before the fix: the 0.3.0
+    // statement ran, version 1 and no audit).
+    let row = client
+        .query_one(
+            "SELECT job_state, state_version,
+                    (SELECT count(*) FROM durable_jobs.durable_job_audit a WHERE a.job_id = j.job_id)
+             FROM durable_jobs.durable_job j WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap();
+    assert_eq!((row.get::<_, String>(0), row.get::<_, i64>(1), row.get::<_, i64>(2)), ("cancelled".into(), 2, 1));
+}
