@@ -400,7 +400,9 @@ fn a_call_that_waits_for_an_update_runs_against_the_schema_the_update_left() {
     // A cancel started now waits for the update's lock on the job table.
     let mut canceller = cluster.connect();
     let cancel = std::thread::spawn(move || {
-        canceller.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).map(|row| row.get::<_, bool>(0))
+        canceller
+            .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id])
+            .map(|row| row.get::<_, bool>(0))
     });
     let mut watcher = cluster.connect();
     wait_until(Duration::from_secs(10), "the cancel to wait for the update", || {
@@ -421,5 +423,8 @@ fn a_call_that_waits_for_an_update_runs_against_the_schema_the_update_left() {
             &[&job_id],
         )
         .unwrap();
-    assert_eq!((row.get::<_, String>(0), row.get::<_, i64>(1), row.get::<_, i64>(2)), ("cancelled".into(), 2, 1));
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, i64>(1), row.get::<_, i64>(2)),
+        ("cancelled".into(), 2, 1)
+    );
 }

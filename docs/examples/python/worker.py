@@ -4,12 +4,14 @@ Loop: claim a job -> work on it while a heartbeat extends the lease -> complete 
 transaction as its effects, or fail it with a stable failure code. SIGTERM (or Ctrl-C) stops it
 cleanly: the job in hand is finished first, and nothing new is claimed.
 
-    DURABLE_JOBS_DSN="host=127.0.0.1 dbname=app user=app_worker" python3 worker.py
+    DURABLE_JOBS_DSN="host=localhost port=5433 dbname=postgres user=app_worker password=worker-secret" \
+        python3 worker.py
 
-The role needs EXECUTE on claim_next_durable_job, complete_durable_job, fail_durable_job and
-extend_durable_job_lease (docs/runbook.md, "Roles and privileges"), plus whatever the work
-itself writes. This example's work: kind `greet` inserts payload["name"] into public.greetings,
-after sleeping payload["seconds"] (default 0) to stand for slow work.
+docs/runbook.md, "Roles and privileges", creates that role with what it needs: EXECUTE on
+claim_next_durable_job, complete_durable_job, fail_durable_job and extend_durable_job_lease, the
+table public.greetings (name text) and INSERT on it. This example's work: kind `greet` (the only
+kind it claims) inserts payload["name"] into public.greetings, after sleeping payload["seconds"]
+(default 0) to stand for slow work.
 """
 
 import os
