@@ -20,10 +20,39 @@ pub fn execute<'conn>(
     query: &str,
     args: &[DatumWithOid],
 ) -> SpiTupleTable<'conn> {
+    let plan = kept(client, query, args);
+    client.update(&*plan, None, args).expect(query)
+}
+
+/// Executes a statement that writes nothing, as `execute` would (under a fresh snapshot), but
+/// without pgrx's `update`, which assigns the transaction an xid: a read must not get one (a
+/// waiter would then stand as a running transaction in every snapshot taken while it sleeps,
+/// and each call would write a commit record).
+pub fn read<'conn>(
+    client: &mut SpiClient<'conn>,
+    query: &str,
+    args: &[DatumWithOid],
+) -> SpiTupleTable<'conn> {
+    let plan = kept(client, query, args);
+    with_fresh_snapshot(|| client.select(&*plan, None, args)).expect(query)
+}
+
+/// Runs `f` under a new snapshot: an SPI read in a transaction without an xid runs read-only,
+/// on the active snapshot, which would otherwise be the calling statement's, however old.
+pub fn with_fresh_snapshot<R>(f: impl FnOnce() -> R) -> R {
+    unsafe { pgrx::pg_sys::PushActiveSnapshot(pgrx::pg_sys::GetTransactionSnapshot()) };
+    let result = f();
+    // On an error the (sub)transaction's abort pops it.
+    unsafe { pgrx::pg_sys::PopActiveSnapshot() };
+    result
+}
+
+/// The kept plan of `query`, prepared on first use.
+fn kept(client: &mut SpiClient<'_>, query: &str, args: &[DatumWithOid]) -> Rc<OwnedPreparedStatement> {
     // The map is not borrowed while the statement runs: a handler the statement calls may call
     // the extension's own functions, which use this map too.
     let kept = PLANS.with(|plans| plans.borrow().get(query).cloned());
-    let plan = match kept {
+    match kept {
         Some(plan) => plan,
         None => {
             let types: Vec<PgOid> = args.iter().map(|arg| PgOid::from(arg.oid())).collect();
@@ -31,6 +60,5 @@ pub fn execute<'conn>(
             PLANS.with(|plans| plans.borrow_mut().insert(query.to_owned(), Rc::clone(&plan)));
             plan
         }
-    };
-    client.update(&*plan, None, args).expect(query)
+    }
 }

@@ -74,7 +74,7 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let rows = plans::execute(
+            let rows = plans::read(
                 client,
                 GET_WITH_VERSION,
                 &[job_id.into(), sees_all.into(), caller.role_oid.into()],
@@ -195,9 +195,17 @@ fn statement_is_only_this_wait() -> bool {
 }
 
 fn wait_alone_in_statement() -> Result<(), &'static str> {
-    let this_function = Spi::get_one::<pg_sys::Oid>(
-        "SELECT 'durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8, pg_catalog.float8)'::pg_catalog.regprocedure::pg_catalog.oid",
-    );
+    // Reads only (Spi::get_one would give the transaction an xid).
+    let this_function = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT 'durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8, pg_catalog.float8)'::pg_catalog.regprocedure::pg_catalog.oid",
+                None,
+                &[],
+            )?
+            .first()
+            .get_one::<pg_sys::Oid>()
+    });
     let Ok(Some(this_function)) = this_function else { return Err("the lookup of the function failed") };
     // Its own transaction: no earlier statement's exported snapshot or cursor to protect.
     if unsafe { pg_sys::IsTransactionBlock() } {
@@ -253,10 +261,16 @@ fn wait_alone_in_statement() -> Result<(), &'static str> {
         std::ffi::CStr::from_ptr((*portal).name).to_string_lossy().into_owned()
     };
     // No other portal: an open cursor would read later with a snapshot from before the wait.
-    let other_portals = Spi::get_one_with_args::<i64>(
-        "SELECT pg_catalog.count(*) FROM pg_catalog.pg_cursor() c WHERE c.name <> $1",
-        &[portal_name.into()],
-    );
+    let other_portals = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT pg_catalog.count(*) FROM pg_catalog.pg_cursor() c WHERE c.name <> $1",
+                None,
+                &[portal_name.into()],
+            )?
+            .first()
+            .get_one::<i64>()
+    });
     if other_portals != Ok(Some(0)) {
         return Err("another portal (cursor) is open");
     }
@@ -295,7 +309,7 @@ pub fn read_job(job_id: i64) -> Option<JobStatusRow> {
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let rows = plans::execute(client, GET, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
+            let rows = plans::read(client, GET, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
             rows.into_iter().next().map(|row| row.get::<JobStatusRow>(1).unwrap().expect("a status row"))
         })
     })
@@ -492,7 +506,7 @@ fn list_durable_jobs(
                     true => (ENQUEUING_ROLES, vec![]),
                     false => (VISIBLE_ROLES, vec![caller.role_oid.into()]),
                 };
-                plans::execute(client, statement, &args)
+                plans::read(client, statement, &args)
                     .first()
                     .get_one::<Vec<String>>()
                     .expect("roles")
@@ -508,11 +522,12 @@ fn list_durable_jobs(
             ];
             // Planned for these values on every call (a listing is not a hot path), so that the
             // plan always fits the page and the ranges it merges.
-            client
-                .update(&filters.statement(sees_all, roles.len()), None, &args)
-                .expect("list_durable_jobs")
-                .map(|row| row.get::<JobListingRow>(1).unwrap().expect("a listing row"))
-                .collect::<Vec<_>>()
+            plans::with_fresh_snapshot(|| {
+                client.select(&filters.statement(sees_all, roles.len()), None, &args)
+            })
+            .expect("list_durable_jobs")
+            .map(|row| row.get::<JobListingRow>(1).unwrap().expect("a listing row"))
+            .collect::<Vec<_>>()
         })
     });
     SetOfIterator::new(rows)

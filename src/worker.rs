@@ -391,11 +391,18 @@ fn prune_finished_jobs() {
 /// Whether this database has the extension at the version of this library; an older schema
 /// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
 fn extension_ready() -> bool {
-    Spi::get_one_with_args::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
-                        WHERE extname = 'durable_jobs' AND extversion = $1)",
-        &[env!("CARGO_PKG_VERSION").into()],
-    )
+    // A read (Spi::get_one would give every idle poll's transaction an xid and a commit record).
+    Spi::connect(|client| {
+        client
+            .select(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
+                                WHERE extname = 'durable_jobs' AND extversion = $1)",
+                None,
+                &[env!("CARGO_PKG_VERSION").into()],
+            )?
+            .first()
+            .get_one::<bool>()
+    })
     .ok()
     .flatten()
     .unwrap_or(false)

@@ -111,6 +111,25 @@ fn a_waiter_holds_no_lock_that_ddl_on_the_job_table_would_wait_for() {
 }
 
 #[test]
+fn reading_a_job_takes_no_transaction_id() {
+    // An xid on a read would make every sleeping waiter a running transaction in every snapshot
+    // taken meanwhile (200 of them cost the worker two thirds of its throughput), and give each
+    // read a commit record.
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    let job_id = enqueue(&mut client, "external");
+    for read in [
+        "SELECT pg_current_xact_id_if_assigned() IS NULL FROM durable_jobs.get_durable_job($1)",
+        "SELECT pg_current_xact_id_if_assigned() IS NULL FROM durable_jobs.wait_for_durable_job($1, NULL, 0)",
+        "SELECT pg_current_xact_id_if_assigned() IS NULL FROM durable_jobs.list_durable_jobs(page_size => 1) WHERE $1::bigint > 0",
+        "SELECT pg_current_xact_id_if_assigned() IS NULL FROM durable_jobs.list_durable_jobs(job_states => '{available}') WHERE $1::bigint > 0",
+    ] {
+        let no_xid: bool = client.query_one(read, &[&job_id]).unwrap().get(0);
+        assert!(no_xid, "{read} assigned a transaction id");
+    }
+}
+
+#[test]
 fn a_wait_alone_in_its_statement_does_not_hold_back_vacuum_while_it_sleeps() {
     let cluster = Cluster::start(PRELOADED);
     let mut producer = cluster.connect();
