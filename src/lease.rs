@@ -11,7 +11,7 @@ use crate::plans;
 use crate::privilege::{as_extension_owner, as_extension_owner_of, caller};
 use crate::settings;
 use crate::sql_types::JsonbDatum;
-use crate::waiters;
+use crate::waiters::{self, Change};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::Uuid;
@@ -406,7 +406,8 @@ pub fn claim_jobs(
                         enqueued_by: row.get(8).unwrap().unwrap(),
                     })
                     .collect();
-                waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id).chain(expired));
+                waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);
+                waiters::wake_waiters_at_commit(expired, Change::Terminal);
                 claimed
             };
             // A statement does not see its own claims when it checks a queue's concurrency
@@ -436,7 +437,7 @@ pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> &'static
     });
     match completed {
         Some(_) => {
-            waiters::wake_waiters_at_commit([job_id]);
+            waiters::wake_waiters_at_commit([job_id], Change::Terminal);
             "succeeded"
         }
         None => "stale",
@@ -469,8 +470,10 @@ pub fn fail_job(
             first_value_of::<String>(FAIL_ON_OLD_SCHEMA, &args)
         }
     });
-    if outcome.is_some() {
-        waiters::wake_waiters_at_commit([job_id]);
+    match outcome.as_deref() {
+        Some("available") => waiters::wake_waiters_at_commit([job_id], Change::Other),
+        Some(_) => waiters::wake_waiters_at_commit([job_id], Change::Terminal),
+        None => {}
     }
     match outcome.as_deref() {
         Some("available") => "retried",
@@ -514,7 +517,7 @@ pub fn held_leases(leases: &[(i64, Uuid)], worker_id: &str) -> Vec<(i64, Uuid)> 
 pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
     // No rows come back: the statement returns none.
     over_leases::<i64>(RELEASE_UNSTARTED, jobs, worker_id, None);
-    waiters::wake_waiters_at_commit(jobs.iter().map(|(id, _)| *id));
+    waiters::wake_waiters_at_commit(jobs.iter().map(|(id, _)| *id), Change::Other);
 }
 
 /// What the SQL API's claim returns for one job (pgrx wants the columns spelled out in each
@@ -671,7 +674,7 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             };
             let cancelled = cancelled.len() == 1;
             if cancelled {
-                waiters::wake_waiters_at_commit([job_id]);
+                waiters::wake_waiters_at_commit([job_id], Change::Terminal);
             }
             cancelled
         })

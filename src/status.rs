@@ -123,7 +123,7 @@ fn wait_for_durable_job(
     let sleeps_without_xmin = statement_is_only_this_wait();
     // Published before the first read: a commit after that read sets the latch, so the sleep
     // below returns at once, and no wake-up is missed between the read and the sleep.
-    let slot = WaiterSlot::take(job_id);
+    let slot = WaiterSlot::take(job_id, known_version.is_none());
     let row = loop {
         unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
         let Some((row, state, version)) = without_keeping_locks(|| read_job_with_version(job_id)) else {

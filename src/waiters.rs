@@ -20,6 +20,8 @@ pub struct WaiterSlots {
     owner: [AtomicI32; WAITER_SLOTS],
     /// The job it waits for.
     job_id: [AtomicI64; WAITER_SLOTS],
+    /// It waits for the job to end, so only a change to a terminal state wakes it.
+    until_terminal: [AtomicBool; WAITER_SLOTS],
 }
 
 impl Default for WaiterSlots {
@@ -28,6 +30,7 @@ impl Default for WaiterSlots {
             in_use: AtomicU32::new(0),
             owner: std::array::from_fn(|_| AtomicI32::new(0)),
             job_id: std::array::from_fn(|_| AtomicI64::new(0)),
+            until_terminal: std::array::from_fn(|_| AtomicBool::new(false)),
         }
     }
 }
@@ -44,7 +47,7 @@ static EXIT_HOOK: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// The jobs this backend's current transaction changed; their waiters wake at its commit.
-    static CHANGED: RefCell<Vec<i64>> = const { RefCell::new(Vec::new()) };
+    static CHANGED: RefCell<Vec<(i64, Change)>> = const { RefCell::new(Vec::new()) };
 }
 
 pub fn init_shared_memory() {
@@ -56,9 +59,9 @@ pub fn init_shared_memory() {
 pub struct WaiterSlot(Option<usize>);
 
 impl WaiterSlot {
-    /// Takes a free slot for `job_id`; without one (none free, or no shared memory) the waiter
-    /// falls back to re-reading.
-    pub fn take(job_id: i64) -> WaiterSlot {
+    /// Takes a free slot for `job_id` (woken only when it ends, with `until_terminal`); without
+    /// one (none free, or no shared memory) the waiter falls back to re-reading.
+    pub fn take(job_id: i64, until_terminal: bool) -> WaiterSlot {
         if !SHARED_MEMORY.load(Ordering::Relaxed) {
             return WaiterSlot(None);
         }
@@ -79,6 +82,7 @@ impl WaiterSlot {
         let me = my_procno_plus_one();
         for index in 0..WAITER_SLOTS {
             if slots.owner[index].compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                slots.until_terminal[index].store(until_terminal, Ordering::SeqCst);
                 slots.job_id[index].store(job_id, Ordering::SeqCst);
                 slots.in_use.fetch_add(1, Ordering::SeqCst);
                 return WaiterSlot(Some(index));
@@ -108,16 +112,27 @@ impl Drop for WaiterSlot {
     }
 }
 
+/// What a transition made of a job, for the waiters that wait only for its end.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Change {
+    /// The job ended (succeeded, failed, cancelled).
+    Terminal,
+    /// Anything else (claimed, retried, replayed, given back).
+    Other,
+}
+
 /// Notes that the current transaction changed `job_ids`, so that their waiters wake when it
-/// commits (a rollback wakes no one; a spurious wake-up only makes a waiter read again).
-pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>) {
+/// commits (a rollback wakes no one; a spurious wake-up only makes a waiter read again). A
+/// change marked `Other` that was terminal after all would only leave a waiter to its
+/// once-a-second re-read.
+pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Change) {
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return;
     }
     let first = CHANGED.with(|changed| {
         let mut changed = changed.borrow_mut();
         let was_empty = changed.is_empty();
-        changed.extend(job_ids);
+        changed.extend(job_ids.into_iter().map(|job_id| (job_id, change)));
         was_empty && !changed.is_empty()
     });
     if !first {
@@ -134,18 +149,25 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>) {
     }
 }
 
-/// Sets the latch of every waiter on one of `job_ids`. Runs after the commit is visible.
-fn wake_waiters(job_ids: &[i64]) {
+/// Sets the latch of every waiter on one of `changed`'s jobs (of those waiting for the end, only
+/// on a terminal change). Runs after the commit is visible.
+fn wake_waiters(changed: &[(i64, Change)]) {
     let slots = SLOTS.get();
     if slots.in_use.load(Ordering::SeqCst) == 0 {
         return;
     }
-    let mut job_ids = job_ids.to_vec();
-    job_ids.sort_unstable();
-    job_ids.dedup();
+    // Per job, whether any of its changes in the transaction was terminal.
+    let mut changed = changed.to_vec();
+    changed.sort_unstable_by_key(|(job_id, change)| (*job_id, *change == Change::Other));
+    changed.dedup_by_key(|(job_id, _)| *job_id);
     for index in 0..WAITER_SLOTS {
         let owner = slots.owner[index].load(Ordering::Acquire);
-        if owner == 0 || job_ids.binary_search(&slots.job_id[index].load(Ordering::SeqCst)).is_err() {
+        if owner == 0 {
+            continue;
+        }
+        let job_id = slots.job_id[index].load(Ordering::SeqCst);
+        let Ok(found) = changed.binary_search_by_key(&job_id, |(job_id, _)| *job_id) else { continue };
+        if changed[found].1 == Change::Other && slots.until_terminal[index].load(Ordering::SeqCst) {
             continue;
         }
         set_latch_of(owner);
