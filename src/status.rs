@@ -120,7 +120,6 @@ fn wait_for_durable_job(
         );
     }
     let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
-    let sleeps_without_xmin = statement_is_only_this_wait();
     // Published before the first read: a commit after that read sets the latch, so the sleep
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
@@ -141,15 +140,6 @@ fn wait_for_durable_job(
         if !slot.is_woken_at_commit() || sleep > FALLBACK_RECHECK {
             sleep = sleep.min(FALLBACK_RECHECK);
         }
-        if sleeps_without_xmin {
-            // Nothing reads with the statement's snapshot any more (see statement_is_only_this_wait),
-            // so the sleep need not hold vacuum's horizon back; the next read takes a fresh
-            // snapshot, which advertises a new xmin.
-            unsafe {
-                pg_sys::InvalidateCatalogSnapshot();
-                (*pg_sys::MyProc).xmin = pg_sys::InvalidTransactionId;
-            }
-        }
         unsafe {
             pg_sys::WaitLatch(
                 pg_sys::MyLatch,
@@ -163,118 +153,6 @@ fn wait_for_durable_job(
     };
     drop(slot);
     SetOfIterator::new(row)
-}
-
-/// The elements of a PostgreSQL List of pointers.
-unsafe fn list_pointers(list: *mut pg_sys::List) -> Vec<*mut std::ffi::c_void> {
-    if list.is_null() {
-        return Vec::new();
-    }
-    unsafe { (0..(*list).length as usize).map(|i| (*(*list).elements.add(i)).ptr_value).collect() }
-}
-
-unsafe fn node_tag(node: *mut std::ffi::c_void) -> Option<pg_sys::NodeTag> {
-    (!node.is_null()).then(|| unsafe { (*(node as *mut pg_sys::Node)).type_ })
-}
-
-/// Whether the statement running is `SELECT <columns> FROM durable_jobs.wait_for_durable_job(...)`
-/// and nothing else, in a transaction of its own, with no other portal (cursor) open in the
-/// session: then, once the wait
-/// has begun, nothing will read with a snapshot taken before it (the statement's own reads no
-/// table; our reads take fresh snapshots), and the backend may stop holding back vacuum's horizon
-/// while it sleeps. Anything else (a wait inside a larger query, a function, a cursor's
-/// transaction) keeps the horizon, as any open statement does.
-fn statement_is_only_this_wait() -> bool {
-    match wait_alone_in_statement() {
-        Ok(()) => true,
-        Err(reason) => {
-            debug1!("wait_for_durable_job keeps its statement's xmin while it sleeps: {reason}");
-            false
-        }
-    }
-}
-
-fn wait_alone_in_statement() -> Result<(), &'static str> {
-    // Reads only (Spi::get_one would give the transaction an xid).
-    let this_function = Spi::connect(|client| {
-        client
-            .select(
-                "SELECT 'durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8, pg_catalog.float8)'::pg_catalog.regprocedure::pg_catalog.oid",
-                None,
-                &[],
-            )?
-            .first()
-            .get_one::<pg_sys::Oid>()
-    });
-    let Ok(Some(this_function)) = this_function else { return Err("the lookup of the function failed") };
-    // Its own transaction: no earlier statement's exported snapshot or cursor to protect.
-    if unsafe { pg_sys::IsTransactionBlock() } {
-        return Err("in a transaction block");
-    }
-    let portal_name = unsafe {
-        let portal = pg_sys::ActivePortal;
-        if portal.is_null()
-            || (*portal).strategy != pg_sys::PortalStrategy::PORTAL_ONE_SELECT
-            || (*portal).queryDesc.is_null()
-        {
-            return Err("not a plain SELECT portal");
-        }
-        let statement = (*(*portal).queryDesc).plannedstmt;
-        if statement.is_null()
-            || (*statement).commandType != pg_sys::CmdType::CMD_SELECT
-            || !(*statement).subplans.is_null()
-        {
-            return Err("not a plain SELECT plan");
-        }
-        // One range table entry, scanned by the plan's only node: this function, called once.
-        let entries = list_pointers((*statement).rtable);
-        let [entry] = entries.as_slice() else { return Err("not one range table entry") };
-        if (*(*entry as *mut pg_sys::RangeTblEntry)).rtekind != pg_sys::RTEKind::RTE_FUNCTION {
-            return Err("not a function scan");
-        }
-        let plan = (*statement).planTree;
-        if node_tag(plan as *mut _) != Some(pg_sys::NodeTag::T_FunctionScan)
-            || !(*plan).qual.is_null()
-            || !(*plan).initPlan.is_null()
-            || !(*plan).lefttree.is_null()
-            || !(*plan).righttree.is_null()
-        {
-            return Err("more than a scan of it");
-        }
-        // The planner keeps the calls in the scan node (the flat range table drops them).
-        let functions = list_pointers((*(plan as *mut pg_sys::FunctionScan)).functions);
-        let [function] = functions.as_slice() else { return Err("not one function") };
-        let call = (*(*function as *mut pg_sys::RangeTblFunction)).funcexpr as *mut std::ffi::c_void;
-        if node_tag(call) != Some(pg_sys::NodeTag::T_FuncExpr)
-            || (*(call as *mut pg_sys::FuncExpr)).funcid != this_function
-        {
-            return Err("not this function");
-        }
-        // It projects the function's columns, nothing more (no other function runs later).
-        let only_columns = list_pointers((*plan).targetlist).into_iter().all(|entry| {
-            let expression = (*(entry as *mut pg_sys::TargetEntry)).expr as *mut std::ffi::c_void;
-            node_tag(expression) == Some(pg_sys::NodeTag::T_Var)
-        });
-        if !only_columns {
-            return Err("not only its columns");
-        }
-        std::ffi::CStr::from_ptr((*portal).name).to_string_lossy().into_owned()
-    };
-    // No other portal: an open cursor would read later with a snapshot from before the wait.
-    let other_portals = Spi::connect(|client| {
-        client
-            .select(
-                "SELECT pg_catalog.count(*) FROM pg_catalog.pg_cursor() c WHERE c.name <> $1",
-                None,
-                &[portal_name.into()],
-            )?
-            .first()
-            .get_one::<i64>()
-    });
-    if other_portals != Ok(Some(0)) {
-        return Err("another portal (cursor) is open");
-    }
-    Ok(())
 }
 
 /// Runs `read` in a subtransaction that is then rolled back, so that the locks its statements

@@ -130,46 +130,6 @@ fn reading_a_job_takes_no_transaction_id() {
 }
 
 #[test]
-fn a_wait_alone_in_its_statement_does_not_hold_back_vacuum_while_it_sleeps() {
-    let cluster = Cluster::start(PRELOADED);
-    let mut producer = cluster.connect();
-    let job_id = enqueue(&mut producer, "external");
-    // Each form waits in a session of its own; returns whether its backend advertised an xmin
-    // while it slept (what holds back vacuum's horizon, and with it every queue's dead rows).
-    let holds_xmin = |setup: &'static str, wait: &'static str| -> bool {
-        let mut client = cluster.connect();
-        let pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
-        let waiter = thread::spawn(move || {
-            client.batch_execute(setup).unwrap();
-            // Ended by the cancel below.
-            let _ = client.query(wait, &[&job_id]);
-        });
-        let mut watcher = cluster.connect();
-        wait_until(Duration::from_secs(10), "the waiter asleep", || {
-            watcher
-                .query_one("SELECT wait_event_type IS NOT DISTINCT FROM 'Extension' FROM pg_stat_activity WHERE pid = $1", &[&pid])
-                .unwrap()
-                .get(0)
-        });
-        // Give a commit elsewhere the chance to move the horizon past the waiter's snapshot.
-        watcher.batch_execute("CREATE TEMP TABLE moved (n int); INSERT INTO moved VALUES (1)").unwrap();
-        let xmin: Option<String> = watcher
-            .query_one("SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1", &[&pid])
-            .unwrap()
-            .get(0);
-        watcher.execute("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
-        let _ = waiter.join();
-        xmin.is_some()
-    };
-    let alone = "SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 60)";
-    assert!(!holds_xmin("", alone), "a wait alone in its statement holds no xmin while it sleeps");
-    // In a larger query, or beside an open cursor, the statement's snapshot may be read after the
-    // wait: those keep their xmin, as any open statement does.
-    assert!(holds_xmin("", "SELECT w.job_state, (SELECT count(*) FROM pg_class) FROM durable_jobs.wait_for_durable_job($1, NULL, 60) w"));
-    assert!(holds_xmin("BEGIN; DECLARE open_cursor CURSOR FOR SELECT * FROM pg_class;", alone));
-}
-
-#[test]
 fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncommitted() {
     let cluster = Cluster::start(PRELOADED);
     let mut producer = cluster.connect();
