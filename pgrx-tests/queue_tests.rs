@@ -172,6 +172,13 @@ fn an_admin_reads_handlers_and_queue_controls_it_may_not_write() {
     assert_eq!(sqlstate_of("SELECT * FROM durable_jobs.durable_job_handler").as_deref(), Some("42501"));
     assert_eq!(sqlstate_of("UPDATE durable_jobs.durable_job_queue SET paused = false").as_deref(), Some("42501"));
     Spi::run("RESET ROLE").unwrap();
+    // Read-only whatever is granted on them: no write through the views, even for their owner.
+    for write in [
+        "UPDATE durable_jobs.durable_job_handlers SET registered_by = 'someone'",
+        "DELETE FROM durable_jobs.durable_job_queue_controls",
+    ] {
+        assert_eq!(sqlstate_of(write).as_deref(), Some("55000"), "{write}");
+    }
     Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'emails')").unwrap();
     assert_eq!(
         one::<String>("SELECT string_agg(coalesce(job_state, '-'), ',') FROM durable_jobs.durable_job_queue_summary WHERE queue_name = 'emails'"),

@@ -14,10 +14,11 @@ as_postgres() {
 psql_first() { as_postgres "$bindir/psql" -h /var/run/postgresql -p "$PGPORT" -d postgres -qXAt -v ON_ERROR_STOP=1 "$@"; }
 
 as_postgres "$bindir/pg_ctl" -D "$PGDATA" status >/dev/null
-# A process that crashed makes the postmaster restart every process: the log says so. Only what
+# A process that crashed makes the postmaster restart every process, and a library missing from
+# its path fails new sessions: the log says so. Only what
 # was logged since FIRST_LOG_OFFSET (bytes) counts.
 if tail -c +"$(( ${FIRST_LOG_OFFSET:-0} + 1 ))" "$PGDATA/server.log" |
-    grep -E "terminated by signal|was terminated|terminating any other active server processes"; then
+    grep -E "terminated by signal|was terminated|terminating any other active server processes|could not access file"; then
     echo "the first cluster lost a process while the tests ran (above, from $PGDATA/server.log)" >&2
     exit 1
 fi

@@ -29,11 +29,15 @@ fi
 
 echo "== in-database suites (cargo pgrx test)"
 # cargo pgrx test installs its build by rewriting the installed library in place, which kills a
-# running server that has it loaded (the one scripts/install-and-start.sh started, say).
-# Unlinked first, the file is written anew, and running servers keep the copy they mapped.
+# running server that has it loaded (the one scripts/install-and-start.sh started, say). A copy
+# renamed over it first puts a file no server has mapped at that path (running servers keep the
+# one they mapped), and the path is never empty, so new sessions and restarts still load it.
 library=$("$PG_CONFIG" --pkglibdir)/durable_jobs.so
 if [ -e "$library" ]; then
-    if [ -w "$(dirname "$library")" ]; then rm -f "$library"; else sudo rm -f "$library"; fi
+    as_owner=()
+    [ -w "$(dirname "$library")" ] || as_owner=(sudo)
+    "${as_owner[@]}" cp -p "$library" "$library.replacing"
+    "${as_owner[@]}" mv -f "$library.replacing" "$library"
 fi
 cargo pgrx test pg15 "${pgrx_test_args[@]}"
 

@@ -212,12 +212,13 @@ SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit
 FROM durable_jobs.durable_job_queue q
 WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name);
 
--- What an operator who registers handlers or controls queues may read of them (no write).
+-- What an operator who registers handlers or controls queues may read of them. The WITH makes
+-- them read-only whatever is granted on them (PostgreSQL does not update through a WITH query).
 CREATE VIEW durable_jobs.durable_job_handlers AS
-SELECT h.job_kind, h.handler, h.registered_by, h.registered_at
-FROM durable_jobs.durable_job_handler h;
+WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
+SELECT h.job_kind, h.handler, h.registered_by, h.registered_at FROM h;
 
 CREATE VIEW durable_jobs.durable_job_queue_controls AS
-SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at
-FROM durable_jobs.durable_job_queue q;
+WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at FROM q;
 REVOKE ALL ON durable_jobs.durable_job_handlers, durable_jobs.durable_job_queue_controls FROM PUBLIC;

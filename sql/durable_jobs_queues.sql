@@ -79,11 +79,12 @@ FROM durable_jobs.durable_job j
 WHERE j.job_state = 'failed' AND j.finished_at > pg_catalog.clock_timestamp() - interval '1 hour'
 GROUP BY j.queue_name, j.last_failure_code;
 
--- What an operator who registers handlers or controls queues may read of them (no write).
+-- What an operator who registers handlers or controls queues may read of them. The WITH makes
+-- them read-only whatever is granted on them (PostgreSQL does not update through a WITH query).
 CREATE VIEW durable_jobs.durable_job_handlers AS
-SELECT h.job_kind, h.handler, h.registered_by, h.registered_at
-FROM durable_jobs.durable_job_handler h;
+WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
+SELECT h.job_kind, h.handler, h.registered_by, h.registered_at FROM h;
 
 CREATE VIEW durable_jobs.durable_job_queue_controls AS
-SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at
-FROM durable_jobs.durable_job_queue q;
+WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at FROM q;

@@ -159,8 +159,8 @@ pub fn register() {
     GucRegistry::define_bool_guc(
         c"durable_jobs.log_handler_errors",
         c"Whether the background workers log each handler error at LOG.",
-        c"Job id, kind, attempt, SQLSTATE and the error's message; never the payload. \
-          The message is the handler's own text and may quote what the handler put in it.",
+        c"Job id, kind, attempt, SQLSTATE and the error's message. The payload itself is never \
+          logged, but an error message can quote values from it (a failed cast does).",
         &LOG_HANDLER_ERRORS,
         GucContext::Sighup,
         GucFlags::default(),
