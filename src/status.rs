@@ -30,15 +30,6 @@ macro_rules! visible_to_caller {
     };
 }
 
-const GET: &str = concat!(
-    "SELECT ROW(",
-    status_columns!(),
-    ")::durable_jobs.durable_job_status
-    FROM durable_jobs.durable_job j
-    WHERE j.job_id = $1 AND ",
-    visible_to_caller!()
-);
-
 const GET_WITH_VERSION: &str = concat!(
     "SELECT ROW(",
     status_columns!(),
@@ -65,7 +56,7 @@ fn sees_all_jobs(caller: &Caller, owner: pg_sys::Oid) -> bool {
 #[search_path(pg_catalog, pg_temp)]
 fn get_durable_job(job_id: Option<i64>) -> SetOfIterator<'static, JobStatusRow> {
     let job_id = arguments::required(job_id, "job_id");
-    SetOfIterator::new(read_job(job_id))
+    SetOfIterator::new(read_job_with_version(job_id).map(|(row, _, _)| row))
 }
 
 /// The job's status row, if the current role sees the job, with its state and state_version.
@@ -179,18 +170,6 @@ fn without_keeping_locks<R>(read: impl FnOnce() -> R) -> R {
         leave();
         result
     }
-}
-
-/// The job's status row, if the current role sees the job.
-pub fn read_job(job_id: i64) -> Option<JobStatusRow> {
-    let caller = caller();
-    as_extension_owner_of(|installed| {
-        let sees_all = sees_all_jobs(&caller, installed.owner);
-        Spi::connect_mut(|client| {
-            let rows = plans::read(client, GET, &[job_id.into(), sees_all.into(), caller.role_oid.into()]);
-            rows.into_iter().next().map(|row| row.get::<JobStatusRow>(1).unwrap().expect("a status row"))
-        })
-    })
 }
 
 /// The filters of one listing, validated; a page cursor is bound to them.

@@ -4,9 +4,9 @@
 //! visible, the latches of the jobs' waiters are set. Nothing is sent when nobody waits, and no
 //! NOTIFY (which takes a cluster-wide lock at commit) is involved.
 
-use crate::wakeup::{my_procno_plus_one, set_latch_of};
+use crate::wakeup::{at_commit_or_forget, my_procno_plus_one, set_latch_of};
 use pgrx::prelude::*;
-use pgrx::{PGRXSharedMemory, PgAtomic, PgXactCallbackEvent};
+use pgrx::{PGRXSharedMemory, PgAtomic};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, Ordering};
 
@@ -138,15 +138,14 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Ch
     if !first {
         return;
     }
-    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
-        let changed = CHANGED.with(|changed| std::mem::take(&mut *changed.borrow_mut()));
-        wake_waiters(&changed);
-    });
-    for event in [PgXactCallbackEvent::Abort, PgXactCallbackEvent::Prepare] {
-        // A prepared transaction commits later, maybe from another session: its waiters see the
-        // change at their next once-a-second re-read.
-        pgrx::register_xact_callback(event, || CHANGED.with(|changed| changed.borrow_mut().clear()));
-    }
+    // A prepared transaction's waiters see its change at their next once-a-second re-read.
+    at_commit_or_forget(
+        || {
+            let changed = CHANGED.with(|changed| std::mem::take(&mut *changed.borrow_mut()));
+            wake_waiters(&changed);
+        },
+        || CHANGED.with(|changed| changed.borrow_mut().clear()),
+    );
 }
 
 /// Sets the latch of every waiter on one of `changed`'s jobs (of those waiting for the end, only

@@ -47,17 +47,21 @@ pub fn wake_workers_at_commit() {
     if !SHARED_MEMORY.load(Ordering::Relaxed) || WAKE_AT_COMMIT.swap(true, Ordering::Relaxed) {
         return;
     }
-    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, || {
-        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
-        wake_workers();
-    });
-    pgrx::register_xact_callback(PgXactCallbackEvent::Abort, || {
-        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
-    });
     // A prepared transaction commits later, maybe elsewhere: the poll interval picks it up.
-    pgrx::register_xact_callback(PgXactCallbackEvent::Prepare, || {
-        WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
+    at_commit_or_forget(wake_workers, || WAKE_AT_COMMIT.store(false, Ordering::Relaxed));
+}
+
+/// At the end of the current transaction: `on_commit` if it committed (once the change is
+/// visible), then `forget` in any case. A prepared transaction only forgets: it commits later,
+/// maybe from another session.
+pub fn at_commit_or_forget(on_commit: fn(), forget: fn()) {
+    pgrx::register_xact_callback(PgXactCallbackEvent::Commit, move || {
+        on_commit();
+        forget();
     });
+    for event in [PgXactCallbackEvent::Abort, PgXactCallbackEvent::Prepare] {
+        pgrx::register_xact_callback(event, forget);
+    }
 }
 
 /// This process, named as shared slots keep it: `pgprocno + 1`, so that 0 can mean none.
