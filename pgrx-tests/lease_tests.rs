@@ -331,3 +331,54 @@ fn the_claim_is_an_index_scan_in_claim_order() {
         assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
     }
 }
+
+/// The statements that act on given leases find their jobs by primary key, whatever the
+/// statistics say. Broken on purpose before the fix: with statistics taken while no job ran (a
+/// vacuum of a queue at rest), complete, fail and extend took the partial lease index and read
+/// every running job's entries to find one, dead ones included: 100 buffers a job while long
+/// statements held the horizon.
+#[pg_test]
+fn statements_on_given_leases_find_their_jobs_by_primary_key() {
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    let (job_id, token) = claim("w").unwrap();
+    use pgrx::datum::DatumWithOid;
+    let one = || -> Vec<DatumWithOid<'static>> { vec![job_id.into(), "w".into(), token.into()] };
+    let many = || -> Vec<DatumWithOid<'static>> { vec![vec![job_id].into(), vec![token].into(), "w".into()] };
+    let with = |mut args: Vec<DatumWithOid<'static>>, more: Vec<DatumWithOid<'static>>| {
+        args.extend(more);
+        args
+    };
+    let statements = [
+        ("complete", crate::lease::COMPLETE, one()),
+        (
+            "fail",
+            crate::lease::FAIL,
+            with(
+                one(),
+                vec![true.into(), 1000i32.into(), 3600i32.into(), "target_rejected".into(), "P0001".into()],
+            ),
+        ),
+        ("extend", crate::lease::EXTEND, with(one(), vec![60.0f64.into()])),
+        ("renew", crate::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
+        ("held", crate::lease::HELD_LEASES, many()),
+        ("release", crate::lease::RELEASE_UNSTARTED, many()),
+        ("load", crate::execution::LOAD_JOBS, many()),
+    ];
+    for (name, statement, args) in statements {
+        let plan = Spi::explain_with_args(statement, &args).unwrap().0.to_string();
+        let other_scans = Spi::get_one_with_args::<String>(
+            r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
+               FROM jsonb_path_query($1::jsonb, '$.** ? (@."Relation Name" == "durable_job"
+                                                        && @."Node Type" like_regex "Scan")') AS n
+               WHERE n ->> 'Index Name' IS DISTINCT FROM 'durable_job_pkey'"#,
+            &[plan.clone().into()],
+        )
+        .unwrap();
+        assert_eq!(other_scans, None, "{name}: {plan}");
+        assert!(plan.contains("durable_job_pkey"), "{name}: {plan}");
+    }
+}

@@ -26,7 +26,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// whether it may run: the enqueuer may execute the handler, the handler returns no set, and its
 /// owner is a superuser or, for an enqueuer that is not one, a role whose privileges the
 /// enqueuer has (itself or a role it is a member of).
-const LOAD_JOBS: &str = "
+pub(crate) const LOAD_JOBS: &str = "
     SELECT j.job_id,
            j.payload,
            p.oid,
@@ -47,7 +47,8 @@ const LOAD_JOBS: &str = "
                                                WHERE h.job_kind = j.job_kind)
     LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
     LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
-    WHERE j.job_state = 'running' AND j.lease_owner = $3";
+    -- The token is the state check (see lease_fence in lease.rs).
+    WHERE j.lease_owner = $3";
 
 /// The search_path handlers run with, whatever the session's: `pg_temp` last, so that no
 /// temporary object can capture a handler's unqualified names.

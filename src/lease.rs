@@ -32,11 +32,14 @@ macro_rules! new_state_version {
     };
 }
 
-/// Matches only the running job whose live lease is exactly ($2, $3).
+/// Matches only the running job whose live lease is exactly ($2, $3). Only a running job holds
+/// a lease token (durable_job_lease_only_while_running), so the token is the state check. Naming
+/// job_state would let the planner take the partial lease index, which it does when its
+/// statistics say no job runs, and read every running job's entries to find this one.
 macro_rules! lease_fence {
     () => {
-        "job_id = $1 AND job_state = 'running' AND lease_owner = $2 \
-         AND lease_token = $3 AND lease_expires_at > pg_catalog.clock_timestamp()"
+        "job_id = $1 AND lease_token = $3 AND lease_owner = $2 \
+         AND lease_expires_at > pg_catalog.clock_timestamp()"
     };
 }
 
@@ -161,7 +164,7 @@ macro_rules! complete_statement {
     };
 }
 
-const COMPLETE: &str = complete_statement!(new_state_version!());
+pub(crate) const COMPLETE: &str = complete_statement!(new_state_version!());
 const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("");
 
 // $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code; with
@@ -193,10 +196,10 @@ macro_rules! fail_statement {
     };
 }
 
-const FAIL: &str = fail_statement!(concat!(new_state_version!(), "last_failure_sqlstate = $8, "));
+pub(crate) const FAIL: &str = fail_statement!(concat!(new_state_version!(), "last_failure_sqlstate = $8, "));
 const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("");
 
-const EXTEND: &str = concat!(
+pub(crate) const EXTEND: &str = concat!(
     "
     UPDATE durable_jobs.durable_job
     SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
@@ -209,16 +212,16 @@ const EXTEND: &str = concat!(
 
 // The background worker's renewal of the leases of a batch's jobs not yet run, so that each
 // handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
-// EXTEND; returns each renewed job with its new expiry in Unix microseconds. A job whose row
+// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix microseconds. A job whose row
 // another session holds (its enqueuer cancelling it, say) is skipped, never waited for: the
 // wait would end in the worker's lock timeout and fail the whole batch, other roles' jobs with
 // it. A skipped job is left to its lease.
-const RENEW_BATCH: &str = "
+pub(crate) const RENEW_BATCH: &str = "
     WITH live AS (
         SELECT x.job_id FROM durable_jobs.durable_job x
         JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
              AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-        WHERE x.job_state = 'running' AND x.lease_owner = $3
+        WHERE x.lease_owner = $3
           AND x.lease_expires_at > pg_catalog.clock_timestamp()
         FOR UPDATE OF x SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
@@ -229,17 +232,17 @@ const RENEW_BATCH: &str = "
 
 // Which of the leases ($1 job ids, $2 tokens) `lease_owner` $3 still holds, in the order given:
 // what a role runner takes over from the worker that claimed them.
-const HELD_LEASES: &str = "
+pub(crate) const HELD_LEASES: &str = "
     SELECT j.job_id, j.lease_token
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          WITH ORDINALITY AS c(job_id, lease_token, position)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    WHERE j.job_state = 'running' AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    WHERE j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
     ORDER BY c.position";
 
 // Gives claimed jobs that never started back, with their attempt: available again in a second.
 // Only the background worker runs it, which waits for a schema of its own version.
-const RELEASE_UNSTARTED: &str = concat!(
+pub(crate) const RELEASE_UNSTARTED: &str = concat!(
     "
     UPDATE durable_jobs.durable_job j
     SET job_state = 'available', attempt_count = j.attempt_count - 1, ",
@@ -250,7 +253,7 @@ const RELEASE_UNSTARTED: &str = concat!(
     "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_state = 'running'
+    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token
       AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()"
 );
 
