@@ -30,6 +30,7 @@ mod runner;
 mod settings;
 mod sql_types;
 mod status;
+mod wait_horizon;
 mod waiters;
 mod wakeup;
 mod worker;
@@ -54,6 +55,7 @@ pub extern "C-unwind" fn _PG_init() {
         wakeup::init_shared_memory();
         runner::init_shared_memory();
         waiters::init_shared_memory();
+        wait_horizon::install_hooks();
         // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
         // the databases: a worker connected to one makes its restore fail.
         if !unsafe { pg_sys::IsBinaryUpgrade } {

@@ -7,6 +7,7 @@ use crate::arguments;
 use crate::plans;
 use crate::privilege::{as_extension_owner_of, caller, Caller};
 use crate::sql_types::{JobListingRow, JobStatusRow};
+use crate::wait_horizon;
 use crate::waiters::WaiterSlot;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -95,6 +96,7 @@ fn wait_for_durable_job(
     job_id: Option<i64>,
     known_version: default!(Option<i64>, "NULL"),
     timeout_seconds: default!(Option<f64>, "30"),
+    fcinfo: pg_sys::FunctionCallInfo,
 ) -> SetOfIterator<'static, JobStatusRow> {
     let job_id = arguments::required(job_id, "job_id");
     let timeout_seconds = arguments::required(timeout_seconds, "timeout_seconds");
@@ -111,6 +113,7 @@ fn wait_for_durable_job(
         );
     }
     let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
+    let call_is_whole_statement = wait_horizon::call_is_whole_statement(fcinfo);
     // Published before the first read: a commit after that read sets the latch, so the sleep
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
@@ -131,6 +134,7 @@ fn wait_for_durable_job(
         if !slot.is_woken_at_commit() || sleep > FALLBACK_RECHECK {
             sleep = sleep.min(FALLBACK_RECHECK);
         }
+        wait_horizon::release_for_sleep(call_is_whole_statement);
         unsafe {
             pg_sys::WaitLatch(
                 pg_sys::MyLatch,

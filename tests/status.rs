@@ -129,6 +129,151 @@ fn reading_a_job_takes_no_transaction_id() {
     }
 }
 
+/// How a session runs its wait, for `holds_xmin_while_asleep`.
+enum WaitForm {
+    /// `setup` (simple protocol), then the wait with the job id as a parameter.
+    Extended { setup: &'static str, wait: &'static str },
+    /// One simple-protocol query string; `{job}` stands for the job id.
+    Simple(&'static str),
+    /// A Python psycopg script given the DSN and the job id: prints its backend pid, then waits.
+    Python(&'static str),
+}
+
+/// Whether a session waiting in `form` advertises an xmin (what holds back vacuum's horizon, and
+/// with it every queue's dead rows) once it sleeps and a later commit elsewhere has moved on.
+fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> bool {
+    let mut watcher = cluster.connect();
+    let (pid_sender, pid_receiver) = mpsc::channel();
+    let waiter = match form {
+        &WaitForm::Python(script) => {
+            let mut child = std::process::Command::new("python3")
+                .args(["-c", script, &cluster.connection_string(), &job_id.to_string()])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("python3 with psycopg (scripts/install-prerequisites.sh installs it)");
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
+                .unwrap();
+            pid_sender.send(line.trim().parse::<i32>().expect("the script's backend pid")).unwrap();
+            thread::spawn(move || {
+                let _ = child.wait();
+            })
+        }
+        form => {
+            let (setup, wait, simple) = match *form {
+                WaitForm::Extended { setup, wait } => (setup, wait, false),
+                WaitForm::Simple(query) => ("", query, true),
+                WaitForm::Python(_) => unreachable!(),
+            };
+            let mut client = cluster.connect();
+            pid_sender.send(client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0)).unwrap();
+            thread::spawn(move || {
+                // Each ends with the cancel below.
+                if simple {
+                    let _ = client.simple_query(&wait.replace("{job}", &job_id.to_string()));
+                } else {
+                    client.batch_execute(setup).unwrap();
+                    let _ = client.query(wait, &[&job_id]);
+                }
+            })
+        }
+    };
+    let pid: i32 = pid_receiver.recv().unwrap();
+    wait_until(Duration::from_secs(10), "the waiter asleep", || {
+        watcher
+            .query_one(
+                "SELECT wait_event_type IS NOT DISTINCT FROM 'Extension' FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .unwrap()
+            .get(0)
+    });
+    // A commit elsewhere, so that a horizon held by the waiter would show as an older xmin.
+    watcher.batch_execute("CREATE TEMP TABLE moved (n int); INSERT INTO moved VALUES (1)").unwrap();
+    let xmin: Option<String> = watcher
+        .query_one("SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1", &[&pid])
+        .unwrap()
+        .get(0);
+    watcher.execute("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
+    waiter.join().unwrap();
+    xmin.is_some()
+}
+
+/// Broken on purpose, one check at a time: without the executor-depth check the PL/pgSQL loop
+/// (form 4) released its xmin; without the snapshot checks the cursor and both exported
+/// snapshots (2, 5, 6); without the call-identity check nothing, as the depth check also stops
+/// the nested wait (3), which the identity check alone stopped when depth was not checked.
+/// A review had broken an earlier version with the nested and the pipeline forms.
+#[test]
+fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut producer = cluster.connect();
+    let job_id = enqueue(&mut producer, "external");
+    producer
+        .batch_execute(
+            "CREATE FUNCTION public.nested_wait(job bigint) RETURNS bigint STABLE LANGUAGE sql
+                 AS 'SELECT job_id FROM durable_jobs.wait_for_durable_job(job, NULL, 60)';",
+        )
+        .unwrap();
+    let alone = "SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 60)";
+    assert!(!holds_xmin_while_asleep(&cluster, job_id, &WaitForm::Extended { setup: "", wait: alone }));
+    assert!(!holds_xmin_while_asleep(
+        &cluster,
+        job_id,
+        &WaitForm::Simple("SELECT * FROM durable_jobs.wait_for_durable_job({job}, NULL, 60)")
+    ));
+    // After these the statement's snapshot may still be read, so they keep their xmin, as any
+    // open statement does.
+    let keep = [
+        // More than the call: the subquery reads after the wait.
+        WaitForm::Extended {
+            setup: "",
+            wait: "SELECT w.job_state, (SELECT count(*) FROM pg_class) FROM durable_jobs.wait_for_durable_job($1, NULL, 60) w",
+        },
+        // In the target list rather than FROM.
+        WaitForm::Extended { setup: "", wait: "SELECT durable_jobs.wait_for_durable_job($1, NULL, 60)" },
+        // A cursor open beside it.
+        WaitForm::Extended { setup: "BEGIN; DECLARE open_cursor CURSOR FOR SELECT * FROM pg_class;", wait: alone },
+        // A wait nested in an argument: the STABLE function's statement snapshot is the outer
+        // statement's, and the outer call still runs after it.
+        WaitForm::Extended {
+            setup: "",
+            wait: "SELECT job_state FROM durable_jobs.wait_for_durable_job(public.nested_wait($1), NULL, 60)",
+        },
+        // A PL/pgSQL loop over it (a cursor).
+        WaitForm::Simple(
+            "DO $$ DECLARE r record; BEGIN
+                 FOR r IN SELECT * FROM durable_jobs.wait_for_durable_job({job}, NULL, 60) LOOP END LOOP;
+             END $$",
+        ),
+        // After a snapshot exported in the same transaction: another session may import it.
+        WaitForm::Simple(
+            "SELECT pg_export_snapshot(); SELECT * FROM durable_jobs.wait_for_durable_job({job}, NULL, 60)",
+        ),
+        // The same in one extended-protocol pipeline (one transaction, not a block).
+        WaitForm::Python(
+            r#"
+import sys, psycopg
+conn = psycopg.connect(sys.argv[1], autocommit=True)
+print(conn.info.backend_pid, flush=True)
+try:
+    with conn.pipeline():
+        conn.execute("SELECT pg_export_snapshot()")
+        conn.execute("SELECT job_state FROM durable_jobs.wait_for_durable_job(%s, NULL, 60)", (int(sys.argv[2]),))
+except psycopg.Error:
+    pass
+"#,
+        ),
+    ];
+    let released: Vec<usize> = keep
+        .into_iter()
+        .enumerate()
+        .filter(|(_, form)| !holds_xmin_while_asleep(&cluster, job_id, form))
+        .map(|(index, _)| index)
+        .collect();
+    assert_eq!(released, Vec::<usize>::new(), "forms that must keep their xmin released it");
+}
+
 #[test]
 fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncommitted() {
     let cluster = Cluster::start(PRELOADED);
