@@ -19,6 +19,7 @@ mod enqueue;
 mod execution;
 mod failure;
 mod handlers;
+mod hooks;
 mod lease;
 mod metrics;
 mod plans;
@@ -55,7 +56,7 @@ pub extern "C-unwind" fn _PG_init() {
         wakeup::init_shared_memory();
         runner::init_shared_memory();
         waiters::init_shared_memory();
-        wait_horizon::install_hooks();
+        hooks::install();
         // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
         // the databases: a worker connected to one makes its restore fail.
         if !unsafe { pg_sys::IsBinaryUpgrade } {

@@ -86,9 +86,13 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
 const WAIT_TIMEOUT_LIMIT: f64 = 300.0;
 
 /// How often a waiter re-reads the job when no commit will wake it: no slot was free, or the
-/// library is not preloaded, or the change came from outside our functions (a manual UPDATE, a
-/// session still running the previous library).
+/// library is not preloaded.
 const FALLBACK_RECHECK: Duration = Duration::from_secs(1);
+
+/// How often a waiter that commits wake re-reads the job anyway, for changes made outside our
+/// functions (a manual UPDATE, a session still running the previous library). Once a second,
+/// 200 sleeping waiters cost the worker 8 % of its throughput (docs/benchmarks.md).
+const WOKEN_RECHECK: Duration = Duration::from_secs(10);
 
 #[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
 #[search_path(pg_catalog, pg_temp)]
@@ -130,10 +134,8 @@ fn wait_for_durable_job(
         if changed || now >= deadline {
             break Some(row);
         }
-        let mut sleep = deadline - now;
-        if !slot.is_woken_at_commit() || sleep > FALLBACK_RECHECK {
-            sleep = sleep.min(FALLBACK_RECHECK);
-        }
+        let recheck = if slot.is_woken_at_commit() { WOKEN_RECHECK } else { FALLBACK_RECHECK };
+        let sleep = (deadline - now).min(recheck);
         wait_horizon::release_for_sleep(call_is_whole_statement);
         unsafe {
             pg_sys::WaitLatch(

@@ -7,8 +7,7 @@
 //! read again; the wait's own reads take a fresh snapshot each time (plans::with_fresh_snapshot),
 //! which advertises a new xmin. That holds when all of these do:
 //! - this call is the whole statement: the client's statement (not a cursor's, a function's or a
-//!   utility command's query: the executor hooks below count how deep executors and utility
-//!   commands nest) whose plan is only a scan of this one call, projecting its columns, with no
+//!   utility command's query: see hooks.rs) whose plan is only a scan of this one call, projecting its columns, with no
 //!   filter and no subquery. Its arguments were evaluated before the call, and once it
 //!   returns nothing reads with the statement's snapshot: the rows it returns were formed whole
 //!   (composite values carry no pointers to TOAST).
@@ -17,103 +16,8 @@
 //!   (an earlier statement's cursor, or one declared later, could read older rows).
 //! Anything else keeps the horizon while it sleeps, as any open statement does.
 
+use crate::hooks;
 use pgrx::pg_sys;
-use pgrx::prelude::*;
-use std::cell::Cell;
-
-thread_local! {
-    /// How many executor runs and utility commands are in progress in this backend.
-    static DEPTH: Cell<u32> = const { Cell::new(0) };
-    /// The statement whose executor runs at depth one, while it is the only thing running.
-    static TOP_LEVEL: Cell<Option<*mut pg_sys::QueryDesc>> = const { Cell::new(None) };
-}
-
-static mut PREVIOUS_EXECUTOR_RUN: pg_sys::ExecutorRun_hook_type = None;
-static mut PREVIOUS_PROCESS_UTILITY: pg_sys::ProcessUtility_hook_type = None;
-
-/// Installs the hooks that tell a client's statement from nested ones (preloaded libraries only:
-/// loaded later, the statements already running would go uncounted).
-pub fn install_hooks() {
-    unsafe {
-        PREVIOUS_EXECUTOR_RUN = pg_sys::ExecutorRun_hook;
-        pg_sys::ExecutorRun_hook = Some(executor_run);
-        PREVIOUS_PROCESS_UTILITY = pg_sys::ProcessUtility_hook;
-        pg_sys::ProcessUtility_hook = Some(process_utility);
-    }
-}
-
-/// Runs `run` one level deeper; `query_desc` is the top-level statement when it is the first.
-fn nested<R>(query_desc: Option<*mut pg_sys::QueryDesc>, run: impl FnOnce() -> R) -> R {
-    let depth = DEPTH.with(|depth| {
-        depth.set(depth.get() + 1);
-        depth.get()
-    });
-    let outer_top = TOP_LEVEL.with(|top| top.replace(if depth == 1 { query_desc } else { None }));
-    PgTryBuilder::new(std::panic::AssertUnwindSafe(run))
-        .finally(|| {
-            DEPTH.with(|depth| depth.set(depth.get() - 1));
-            TOP_LEVEL.with(|top| top.set(outer_top));
-        })
-        .execute()
-}
-
-#[pg_guard]
-unsafe extern "C-unwind" fn executor_run(
-    query_desc: *mut pg_sys::QueryDesc,
-    direction: pg_sys::ScanDirection::Type,
-    count: u64,
-    execute_once: bool,
-) {
-    nested(Some(query_desc), || unsafe {
-        match PREVIOUS_EXECUTOR_RUN {
-            Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-                previous(query_desc, direction, count, execute_once)
-            }),
-            None => pg_sys::standard_ExecutorRun(query_desc, direction, count, execute_once),
-        }
-    })
-}
-
-#[pg_guard]
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C-unwind" fn process_utility(
-    statement: *mut pg_sys::PlannedStmt,
-    query_string: *const std::ffi::c_char,
-    read_only_tree: bool,
-    context: pg_sys::ProcessUtilityContext::Type,
-    params: pg_sys::ParamListInfo,
-    query_environment: *mut pg_sys::QueryEnvironment,
-    destination: *mut pg_sys::DestReceiver,
-    completion: *mut pg_sys::QueryCompletion,
-) {
-    nested(None, || unsafe {
-        match PREVIOUS_PROCESS_UTILITY {
-            Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-                previous(
-                    statement,
-                    query_string,
-                    read_only_tree,
-                    context,
-                    params,
-                    query_environment,
-                    destination,
-                    completion,
-                )
-            }),
-            None => pg_sys::standard_ProcessUtility(
-                statement,
-                query_string,
-                read_only_tree,
-                context,
-                params,
-                query_environment,
-                destination,
-                completion,
-            ),
-        }
-    })
-}
-
 /// The elements of a PostgreSQL List of pointers.
 unsafe fn list_pointers(list: *mut pg_sys::List) -> Vec<*mut std::ffi::c_void> {
     if list.is_null() {
@@ -148,7 +52,7 @@ unsafe fn whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), &'stat
         }
         // The client's statement itself: its executor is the only one running, under no utility
         // command (a cursor's query runs inside the FETCH, the function or the DO that reads it).
-        if !TOP_LEVEL.with(|top| top.get() == Some((*portal).queryDesc)) {
+        if !hooks::is_client_statement((*portal).queryDesc) {
             return Err("not the client's own statement");
         }
         let statement = (*(*portal).queryDesc).plannedstmt;

@@ -148,6 +148,20 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Ch
     );
 }
 
+/// Sets the latch of every waiter.
+pub fn wake_every_waiter() {
+    if !SHARED_MEMORY.load(Ordering::Relaxed) {
+        return;
+    }
+    let slots = SLOTS.get();
+    for index in 0..WAITER_SLOTS {
+        let owner = slots.owner[index].load(Ordering::Acquire);
+        if owner != 0 {
+            set_latch_of(owner);
+        }
+    }
+}
+
 /// Sets the latch of every waiter on one of `changed`'s jobs (of those waiting for the end, only
 /// on a terminal change). Runs after the commit is visible.
 fn wake_waiters(changed: &[(i64, Change)]) {

@@ -291,6 +291,27 @@ fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncom
     assert_eq!(state.as_deref(), Some("running"));
 }
 
+/// Broken on purpose: without the wake-up after COMMIT PREPARED, the waiter returned only at its
+/// ten-second re-read and the test failed.
+#[test]
+fn a_waiter_wakes_when_a_prepared_transaction_that_finished_its_job_commits() {
+    let cluster = Cluster::start(&format!("{PRELOADED}\nmax_prepared_transactions = 2"));
+    let mut producer = cluster.connect();
+    let job_id = enqueue(&mut producer, "external");
+    let waiter = spawn_waiter(&cluster, job_id, None, 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut producer).len() == 1);
+
+    let mut worker = cluster.connect();
+    let job = claim(&mut worker, "w", 60).expect("a job to claim");
+    worker.batch_execute("BEGIN").unwrap();
+    assert_eq!(complete(&mut worker, &job, "w"), "succeeded");
+    worker.batch_execute("PREPARE TRANSACTION 'finishes_the_job'").unwrap();
+    assert!(waiter.recv_timeout(Duration::from_millis(1500)).is_err(), "a prepared change wakes no one");
+    producer.batch_execute("COMMIT PREPARED 'finishes_the_job'").unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(3)).expect("COMMIT PREPARED wakes it");
+    assert_eq!(state.as_deref(), Some("succeeded"));
+}
+
 #[test]
 fn a_waiter_wakes_when_the_background_worker_commits_or_a_cancel_or_replay_does() {
     let cluster = Cluster::start(WORKER_CONF);
