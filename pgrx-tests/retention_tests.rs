@@ -87,6 +87,7 @@ fn prune_needs_only_execute_and_is_not_granted_to_public() {
 
 #[pg_test]
 fn pruning_reads_only_the_expired_part_of_the_finished_index() {
+    serialize_tests_that_analyze();
     Spi::run(
         "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
          UPDATE durable_jobs.durable_job SET job_state = 'cancelled';

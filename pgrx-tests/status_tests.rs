@@ -378,6 +378,7 @@ fn listing_cost(
 
 #[pg_test]
 fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states() {
+    serialize_tests_that_analyze();
     // 200,000 succeeded jobs of two roles in two queues, a few failed ones among them, some
     // waiting, and three jobs of a third role.
     Spi::run(

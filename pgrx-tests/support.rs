@@ -112,3 +112,10 @@ pub fn expire_lease(job_id: i64) {
     )
     .expect("expire lease");
 }
+
+/// Taken first by every test that runs ANALYZE and then checks a plan: ANALYZE writes the
+/// table's row count in place (not rolled back with the test), and one test's count planned
+/// another's statement when they ran side by side.
+pub fn serialize_tests_that_analyze() {
+    Spi::run("SELECT pg_advisory_xact_lock(pg_catalog.hashtext('durable_jobs tests that analyze'))").unwrap();
+}
