@@ -47,8 +47,14 @@ fn payload_is_kept_exactly() {
         &[job_id.into(), payload.into()],
     );
     assert_eq!(same, Ok(Some(true)));
-    let (claimed_job, _) = claim("w").unwrap();
-    assert_eq!(claimed_job, job_id);
+    // And the claim hands it out exactly (compared as jsonb, and as text: no number rounded).
+    let (claimed_job, as_given, text) = Spi::get_three_with_args::<i64, bool, String>(
+        "SELECT job_id, payload = $1::jsonb, payload::text FROM durable_jobs.claim_next_durable_job('w')",
+        &[payload.into()],
+    )
+    .unwrap();
+    assert_eq!((claimed_job, as_given), (Some(job_id), Some(true)));
+    assert!(text.unwrap().contains("12345678901234567890.123456789"));
 }
 
 #[pg_test]

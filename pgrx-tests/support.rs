@@ -22,11 +22,20 @@ pub fn sqlstate_of(statement: &str) -> Option<String> {
         .expect("sqlstate_of")
 }
 
-/// Asserts that `statement` fails with `sqlstate` and leaves every job as it was.
+/// Asserts that `statement` fails with `sqlstate` and leaves every job as it was. The failed
+/// statement's subtransaction rolls back any row it wrote, so the digest alone cannot fail; the
+/// job_id sequence, which no rollback moves back, shows whether it got as far as an insert.
+/// Broken on purpose: enqueue drawing its job_id before the fingerprint check failed here.
 pub fn assert_rejected(statement: &str, sqlstate: &str) {
-    let before = jobs_fingerprint();
+    let before = (jobs_fingerprint(), job_id_sequence_position());
     assert_eq!(sqlstate_of(statement).as_deref(), Some(sqlstate), "{statement}");
-    assert_eq!(jobs_fingerprint(), before, "{statement} changed jobs");
+    assert_eq!(jobs_fingerprint(), before.0, "{statement} changed jobs");
+    assert_eq!(job_id_sequence_position(), before.1, "{statement} drew a job_id");
+}
+
+/// Where the job_id sequence stands (nextval moves it for good, whatever rolls back).
+pub fn job_id_sequence_position() -> String {
+    one::<String>("SELECT last_value || '/' || is_called FROM durable_jobs.durable_job_job_id_seq")
 }
 
 /// A digest of every job row, to show that a rejected call changed nothing.

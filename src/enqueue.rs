@@ -103,29 +103,27 @@ impl JobTemplate {
             self.enqueued_by.as_str().into(),
             installed.has_status_api.into(),
         ];
-        // With intake off, a key already bound to this very job still returns it (producers retry
-        // enqueues after timeouts); anything that would take a new job in is refused.
-        if !crate::settings::INTAKE_ENABLED.get() {
-            match idempotency_key.map(|key| self.find_by_key(client, key, payload)) {
-                Some((Some(job_id), Some(true))) => return job_id,
-                _ => require_intake_enabled(),
-            }
+        // A key already bound is checked before anything is written (no job_id is drawn): its own
+        // job comes back, even with intake off (producers retry enqueues after timeouts), and
+        // another job's key is refused. Anything that would take a new job in needs intake on.
+        let existing = idempotency_key.map(|key| self.find_by_key(client, key, payload));
+        if let Some((Some(job_id), Some(true))) = existing {
+            return job_id;
+        }
+        require_intake_enabled();
+        if let Some((Some(_), _)) = existing {
+            key_used_by_another_job();
         }
         let inserted = plans::execute(client, INSERT_JOB, &args);
         if !inserted.is_empty() {
             return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
         }
-        // ON CONFLICT waited for any concurrent insert of the key, so the row is visible now.
+        // A concurrent enqueue took the key meanwhile; ON CONFLICT waited for it, so its row is
+        // visible now.
         let key = idempotency_key.expect("a conflict implies a key");
         match self.find_by_key(client, key, payload) {
             (Some(job_id), Some(true)) => job_id,
-            (Some(_), _) => {
-                ereport!(
-                    ERROR,
-                    PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
-                    "idempotency_key is already used in this queue by a job with a different job_kind or payload"
-                );
-            }
+            (Some(_), _) => key_used_by_another_job(),
             (None, _) => {
                 ereport!(
                     ERROR,
@@ -157,6 +155,15 @@ impl JobTemplate {
             false => existing.first().get_two::<i64, bool>().expect("existing job"),
         }
     }
+}
+
+/// 23505 for an idempotency key another job (other kind or payload) holds in the queue.
+fn key_used_by_another_job() -> ! {
+    ereport!(
+        ERROR,
+        PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
+        "idempotency_key is already used in this queue by a job with a different job_kind or payload"
+    );
 }
 
 /// 55000 while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).

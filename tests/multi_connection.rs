@@ -145,6 +145,38 @@ fn completion_after_lease_expiry_is_stale_and_does_not_overwrite_the_reclaim() {
     assert_eq!(job_state(&mut first, job_id), "succeeded");
 }
 
+/// Across transactions, unlike a pg_test, where now() stands still. Broken on purpose: with the
+/// claim's `run_after <= now()` dropped, the first claim took the job and the test failed.
+#[test]
+fn a_retried_job_is_claimable_only_after_its_backoff() {
+    let cluster = Cluster::start("durable_jobs.retry_base_delay = '2s'\n");
+    let mut client = cluster.connect();
+    let job_id = enqueue(&mut client, "later", 1)[0];
+    let job = claim(&mut client, "w", 60).unwrap();
+    let outcome: String = client
+        .query_one(
+            "SELECT durable_jobs.fail_durable_job($1, 'w', $2::text::uuid, 'target_unavailable')",
+            &[&job_id, &job.lease_token],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome, "retried");
+    // The first retry waits 1 to 2 s (base delay 2 s times a jitter factor in [0.5, 1)).
+    let waits: f64 = client
+        .query_one(
+            "SELECT extract(epoch FROM run_after - clock_timestamp())::float8
+             FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap()
+        .get(0);
+    assert!((0.5..2.0).contains(&waits), "{waits}");
+    assert!(claim(&mut client, "w", 60).is_none(), "not claimable before its backoff ends");
+    thread::sleep(Duration::from_secs_f64(waits + 0.2));
+    let again = claim(&mut client, "w", 60).expect("claimable once its backoff ended");
+    assert_eq!((again.job_id, again.attempt_count), (job_id, 2));
+}
+
 #[test]
 fn cancel_while_running_makes_the_holder_stale() {
     let cluster = Cluster::start("");
