@@ -102,3 +102,34 @@ fn the_runnable_sql_of_readme_and_runbook_runs_as_written() {
         assert_eq!(current, user, "{dsn}");
     }
 }
+
+/// Every suite file is registered where it runs: tests/*.rs as a `[[test]]` of tests/Cargo.toml
+/// (autotests is off), pgrx-tests/*.rs in an `include!` of src/lib.rs. A new file left out would
+/// otherwise never run and never fail. Broken on purpose: a pgrx-tests file not included failed.
+#[test]
+fn every_test_file_is_registered() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let rust_files = |dir: &str| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(root.join(dir))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".rs"))
+            .collect();
+        names.sort();
+        names
+    };
+    let manifest = std::fs::read_to_string(root.join("tests/Cargo.toml")).unwrap();
+    let library = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let mut unregistered: Vec<String> = rust_files("tests")
+        .into_iter()
+        .filter(|name| name != "harness.rs" && !manifest.contains(&format!("path = \"{name}\"")))
+        .map(|name| format!("tests/{name}"))
+        .collect();
+    unregistered.extend(
+        rust_files("pgrx-tests")
+            .into_iter()
+            .filter(|name| !library.contains(&format!("include!(\"../pgrx-tests/{name}\");")))
+            .map(|name| format!("pgrx-tests/{name}")),
+    );
+    assert_eq!(unregistered, Vec::<String>::new(), "test files that never run");
+}

@@ -78,7 +78,10 @@ impl Cluster {
         let _ = std::fs::remove_dir_all(&data_dir);
 
         let mut initdb = server_command(&bin_dir.join("initdb"));
-        initdb.args(["--auth=trust", "--username=postgres", "--no-sync", "-D"]).arg(&data_dir);
+        // UTF-8 whatever the machine's locale: the invalid-UTF-8 test needs the server to check input.
+        initdb
+            .args(["--auth=trust", "--username=postgres", "--no-sync", "--encoding=UTF8", "-D"])
+            .arg(&data_dir);
         run(initdb, "initdb");
 
         let cluster = Cluster { data_dir, port: free_port(), bin_dir };

@@ -217,15 +217,23 @@ fn cancel_waits_for_an_uncommitted_complete_and_then_loses() {
         .get(0);
     assert_eq!(outcome, "succeeded");
 
-    let canceller = {
-        let cluster = Arc::clone(&cluster);
-        thread::spawn(move || -> bool {
-            let mut operator = cluster.connect();
-            operator.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0)
-        })
-    };
-    // The cancel blocks on the row lock of the uncommitted completion.
-    thread::sleep(Duration::from_millis(500));
+    let mut operator = cluster.connect();
+    let operator_pid: i32 = operator.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let canceller = thread::spawn(move || -> bool {
+        operator.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0)
+    });
+    // The cancel blocks on the row lock of the uncommitted completion (seen waiting, not guessed
+    // from a pause).
+    let mut watcher = cluster.connect();
+    wait_until(Duration::from_secs(10), "the cancel waiting for a lock", || {
+        watcher
+            .query_one(
+                "SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = $1",
+                &[&operator_pid],
+            )
+            .unwrap()
+            .get(0)
+    });
     assert!(!canceller.is_finished(), "cancel waits for the completing transaction");
     txn.commit().unwrap();
     assert!(!canceller.join().unwrap(), "a succeeded job cannot be cancelled");

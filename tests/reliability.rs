@@ -190,7 +190,11 @@ impl ExternalWorkers {
             total.connection_errors += tally.connection_errors;
             total.unexpected_errors.extend(tally.unexpected_errors);
         }
-        assert!(total.unexpected_errors.is_empty(), "external workers met errors: {:?}", total.unexpected_errors);
+        assert!(
+            total.unexpected_errors.is_empty(),
+            "external workers met errors: {:?}",
+            total.unexpected_errors
+        );
         total
     }
 }
@@ -278,7 +282,8 @@ fn kill_a_worker(cluster: &Cluster) {
         !pids.is_empty()
     });
     let victim = pids[pids.len() / 2];
-    let status = std::process::Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill -9");
+    let status =
+        std::process::Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill -9");
     assert!(status.success(), "kill -9 {victim}");
     // A killed backend makes the postmaster reset every session; workers come back as new pids.
     wait_until(Duration::from_secs(60), "the workers back after the kill", || {
@@ -326,7 +331,10 @@ fn soak_with_workers_external_workers_and_transient_failures() {
     assert_counters_match_rows(&mut client, "soak");
     let external_successes =
         count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'external'");
-    assert!(harness::metric(&mut client, "succeeded") > 0 && external_successes > 0, "both kinds of worker took part");
+    assert!(
+        harness::metric(&mut client, "succeeded") > 0 && external_successes > 0,
+        "both kinds of worker took part"
+    );
 }
 
 /// Broken on purpose: with the kill left out, `recovered` was 0 and the test failed (the jobs
@@ -364,7 +372,8 @@ fn immediate_shutdown_mid_load_then_restart_and_drain() {
         .filter_map(|_| harness::claim(&mut client, "held-at-the-stop", 1).map(|job| job.job_id))
         .collect();
     assert_eq!(held.len(), 5);
-    let in_flight = count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'");
+    let in_flight =
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'");
     drop(client);
     cluster.pg_ctl(&["stop", "-m", "immediate", "-w"]);
     cluster.pg_ctl(&["start", "-w", "-t", "60"]);
@@ -483,7 +492,10 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
     // What autovacuum does soon after the old snapshot is gone, done now: it removes them.
     client.batch_execute("VACUUM durable_jobs.durable_job").unwrap();
     let dead_after = dead(&mut client);
-    assert!(dead_after * 100 <= dead_while_held, "vacuum reclaimed {dead_while_held} dead versions, {dead_after} left");
+    assert!(
+        dead_after * 100 <= dead_while_held,
+        "vacuum reclaimed {dead_while_held} dead versions, {dead_after} left"
+    );
 
     let second_half = Instant::now();
     client

@@ -59,7 +59,12 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
     // The key's job has another payload: refused before anything is written (docs/reliability.md).
     // Broken on purpose: the 0.4.0 enqueue tried its insert first and drew a job_id; this failed.
     let key = Some("secret-key-5d1e");
-    expect_sqlstate(&mut client, enqueue, &[&"k", &"{\"keep\": false}", &key, &"default", &some(3), &some(0)], "23505");
+    expect_sqlstate(
+        &mut client,
+        enqueue,
+        &[&"k", &"{\"keep\": false}", &key, &"default", &some(3), &some(0)],
+        "23505",
+    );
     expect_sqlstate(
         &mut client,
         enqueue,

@@ -152,8 +152,11 @@ fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> b
                 .spawn()
                 .expect("python3 with psycopg (scripts/install-prerequisites.sh installs it)");
             let mut line = String::new();
-            std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
-                .unwrap();
+            std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+                &mut line,
+            )
+            .unwrap();
             pid_sender.send(line.trim().parse::<i32>().expect("the script's backend pid")).unwrap();
             thread::spawn(move || {
                 let _ = child.wait();

@@ -465,7 +465,8 @@ fn an_enqueue_wakes_a_sleeping_worker_without_waiting_for_the_poll_interval() {
     );
     let mut client = cluster.connect();
     client.batch_execute(EFFECTS).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    // The worker polled once at start (before CREATE EXTENSION, so it found nothing to count)
+    // and sleeps for ten minutes: only the enqueues' commits can wake it.
     for round in 1..=3 {
         client
             .execute(
@@ -477,11 +478,29 @@ fn an_enqueue_wakes_a_sleeping_worker_without_waiting_for_the_poll_interval() {
             jobs_in_state(&mut client, "succeeded") == round as i64
         });
     }
-    // A rolled-back enqueue wakes nobody and leaves nothing.
+    // A rolled-back enqueue wakes nobody and leaves nothing: a woken worker polls, finds
+    // nothing and counts an idle poll. The committed enqueue after it (of a kind no handler
+    // takes) shows that a wake-up would have been counted. Broken on purpose: waking at the
+    // enqueue instead of at its commit failed the first check.
+    let settled = |client: &mut Client| {
+        let mut last = -1;
+        wait_until(Duration::from_secs(30), "the worker to settle", || {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = metric(client, "idle_polls");
+            std::mem::replace(&mut last, now) == now
+        });
+        last
+    };
+    let idle_polls = settled(&mut client);
     let mut txn = client.transaction().unwrap();
     txn.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 99}')", &[]).unwrap();
     txn.rollback().unwrap();
+    assert_eq!(settled(&mut client), idle_polls, "a rolled-back enqueue woke the worker");
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 3);
+    client.execute("SELECT durable_jobs.enqueue_durable_job('nobody_handles', '{}')", &[]).unwrap();
+    wait_until(Duration::from_secs(10), "the committed enqueue to wake the worker", || {
+        metric(&mut client, "idle_polls") > idle_polls
+    });
 }
 
 #[test]
@@ -558,8 +577,12 @@ fn the_worker_leaves_a_paused_queue_alone_until_it_is_resumed() {
     let mut client = cluster.connect();
     client.batch_execute(EFFECTS).unwrap();
     client.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    let idle_polls = metric(&mut client, "idle_polls");
     enqueue_many(&mut client, "record", 5);
-    std::thread::sleep(Duration::from_millis(1500));
+    // The worker polled twice since (woken by the enqueue, then on its interval) and took nothing.
+    wait_until(Duration::from_secs(30), "two polls after the enqueue", || {
+        metric(&mut client, "idle_polls") >= idle_polls + 2
+    });
     assert_eq!(jobs_in_state(&mut client, "available"), 5, "nothing claimed from a paused queue");
     client.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the resumed queue to drain", || {
