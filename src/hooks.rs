@@ -5,17 +5,43 @@
 use crate::waiters;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::cell::Cell;
+use std::cell::RefCell;
 
 thread_local! {
-    /// How many executor runs and utility commands are in progress in this backend.
-    static DEPTH: Cell<u32> = const { Cell::new(0) };
-    /// The statement whose executor runs at depth one, while it is the only thing running.
-    static TOP_LEVEL: Cell<Option<*mut pg_sys::QueryDesc>> = const { Cell::new(None) };
+    /// The executor runs and utility commands in progress in this backend, outermost first:
+    /// where each one's hook sits on the stack, and the statement it runs (None: a utility
+    /// command). An error unwinds past hook frames without running their ends; frames found
+    /// at or below a later point of the stack are those, and are dropped (`unwound_below`).
+    static FRAMES: RefCell<Vec<(usize, Option<usize>)>> = const { RefCell::new(Vec::new()) };
 }
 
 static mut PREVIOUS_EXECUTOR_RUN: pg_sys::ExecutorRun_hook_type = None;
 static mut PREVIOUS_PROCESS_UTILITY: pg_sys::ProcessUtility_hook_type = None;
+
+// PostgreSQL's own functions, called without pgrx's guard: an error must pass through the hooks
+// untouched (pgrx would catch it and raise a copy that loses its context, constraint name and
+// custom SQLSTATE), so the hooks keep nothing that needs dropping while they call them.
+unsafe extern "C-unwind" {
+    #[link_name = "standard_ExecutorRun"]
+    fn unguarded_standard_executor_run(
+        query_desc: *mut pg_sys::QueryDesc,
+        direction: pg_sys::ScanDirection::Type,
+        count: u64,
+        execute_once: bool,
+    );
+    #[link_name = "standard_ProcessUtility"]
+    #[allow(clippy::too_many_arguments)]
+    fn unguarded_standard_process_utility(
+        statement: *mut pg_sys::PlannedStmt,
+        query_string: *const std::ffi::c_char,
+        read_only_tree: bool,
+        context: pg_sys::ProcessUtilityContext::Type,
+        params: pg_sys::ParamListInfo,
+        query_environment: *mut pg_sys::QueryEnvironment,
+        destination: *mut pg_sys::DestReceiver,
+        completion: *mut pg_sys::QueryCompletion,
+    );
+}
 
 /// Installs the hooks (preloaded libraries only: loaded later, the statements already running
 /// would go uncounted).
@@ -25,48 +51,84 @@ pub fn install() {
         pg_sys::ExecutorRun_hook = Some(executor_run);
         PREVIOUS_PROCESS_UTILITY = pg_sys::ProcessUtility_hook;
         pg_sys::ProcessUtility_hook = Some(process_utility);
+        pg_sys::RegisterXactCallback(Some(on_abort), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subtransaction_abort), std::ptr::null_mut());
     }
 }
 
-/// Whether `query_desc` is the client's own statement: its executor runs at depth one, under no
-/// utility command (a cursor's query runs inside the FETCH, function or DO block that reads it).
-pub fn is_client_statement(query_desc: *mut pg_sys::QueryDesc) -> bool {
-    TOP_LEVEL.with(|top| top.get() == Some(query_desc))
+/// An address in a frame just below the caller's: the stack grows down, so a hook frame still in
+/// progress lies above (at a higher address than) anything its callees call this from.
+#[inline(never)]
+fn stack_address() -> usize {
+    let marker = 0u8;
+    std::hint::black_box(&marker) as *const u8 as usize
 }
 
-/// Runs `run` one level deeper; `query_desc` is the top-level statement when it is the first.
-fn nested<R>(query_desc: Option<*mut pg_sys::QueryDesc>, run: impl FnOnce() -> R) -> R {
-    let depth = DEPTH.with(|depth| {
-        depth.set(depth.get() + 1);
-        depth.get()
-    });
-    let outer_top = TOP_LEVEL.with(|top| top.replace(if depth == 1 { query_desc } else { None }));
-    PgTryBuilder::new(std::panic::AssertUnwindSafe(run))
-        .finally(|| {
-            DEPTH.with(|depth| depth.set(depth.get() - 1));
-            TOP_LEVEL.with(|top| top.set(outer_top));
-        })
-        .execute()
+/// Drops the frames an error unwound: those not above `address`.
+fn unwound_below(address: usize) {
+    FRAMES.with(|frames| frames.borrow_mut().retain(|(frame, _)| *frame > address));
+}
+
+/// Whether `query_desc` is the client's own statement: its executor is the only executor run
+/// or utility command in progress (a cursor's query runs inside the FETCH, function or DO block
+/// that reads it). A frame an error left behind only makes this false.
+pub fn is_client_statement(query_desc: *mut pg_sys::QueryDesc) -> bool {
+    unwound_below(stack_address());
+    FRAMES.with(|frames| {
+        let frames = frames.borrow();
+        frames.len() == 1 && frames[0].1 == Some(query_desc as usize)
+    })
+}
+
+/// Records a frame at `address` for the call that follows; the caller removes it when the call
+/// returns (an error unwinding past it leaves it to `unwound_below`).
+fn enter(address: usize, query_desc: Option<usize>) {
+    unwound_below(address);
+    FRAMES.with(|frames| frames.borrow_mut().push((address, query_desc)));
+}
+
+fn leave(address: usize) {
+    FRAMES.with(|frames| frames.borrow_mut().retain(|(frame, _)| *frame != address));
 }
 
 #[pg_guard]
+unsafe extern "C-unwind" fn on_abort(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    if event == pg_sys::XactEvent::XACT_EVENT_ABORT || event == pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT {
+        unwound_below(stack_address());
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_subtransaction_abort(
+    event: pg_sys::SubXactEvent::Type,
+    _subtransaction: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        unwound_below(stack_address());
+    }
+}
+
+// Not #[pg_guard]: nothing here can panic, and an error from below must reach PostgreSQL as it
+// was raised.
 unsafe extern "C-unwind" fn executor_run(
     query_desc: *mut pg_sys::QueryDesc,
     direction: pg_sys::ScanDirection::Type,
     count: u64,
     execute_once: bool,
 ) {
-    nested(Some(query_desc), || unsafe {
+    let address = stack_address();
+    enter(address, Some(query_desc as usize));
+    unsafe {
         match PREVIOUS_EXECUTOR_RUN {
-            Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-                previous(query_desc, direction, count, execute_once)
-            }),
-            None => pg_sys::standard_ExecutorRun(query_desc, direction, count, execute_once),
+            Some(previous) => previous(query_desc, direction, count, execute_once),
+            None => unguarded_standard_executor_run(query_desc, direction, count, execute_once),
         }
-    })
+    }
+    leave(address);
 }
 
-#[pg_guard]
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn process_utility(
     statement: *mut pg_sys::PlannedStmt,
@@ -85,21 +147,21 @@ unsafe extern "C-unwind" fn process_utility(
             && (*(node as *mut pg_sys::TransactionStmt)).kind
                 == pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
     };
-    nested(None, || unsafe {
+    let address = stack_address();
+    enter(address, None);
+    unsafe {
         match PREVIOUS_PROCESS_UTILITY {
-            Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-                previous(
-                    statement,
-                    query_string,
-                    read_only_tree,
-                    context,
-                    params,
-                    query_environment,
-                    destination,
-                    completion,
-                )
-            }),
-            None => pg_sys::standard_ProcessUtility(
+            Some(previous) => previous(
+                statement,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_environment,
+                destination,
+                completion,
+            ),
+            None => unguarded_standard_process_utility(
                 statement,
                 query_string,
                 read_only_tree,
@@ -110,7 +172,8 @@ unsafe extern "C-unwind" fn process_utility(
                 completion,
             ),
         }
-    });
+    }
+    leave(address);
     // The prepared transaction's changes are visible now; which jobs it changed was forgotten at
     // PREPARE, so every waiter reads again (a spurious wake-up costs one read).
     if commits_prepared {

@@ -21,7 +21,8 @@ pub const DELETE_FINISHED: &str = "
         ORDER BY finished_at
         LIMIT $2
         FOR UPDATE SKIP LOCKED)
-    DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id";
+    DELETE FROM durable_jobs.durable_job j USING expired WHERE j.job_id = expired.job_id
+    RETURNING j.job_id";
 
 // Audit rows age like the jobs they are about (schemas from 0.4.0 on).
 pub const DELETE_OLD_AUDIT: &str = "
@@ -41,7 +42,14 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
         if installed.has_status_api {
             client.update(DELETE_OLD_AUDIT, None, &args).expect("delete old audit rows");
         }
-        client.update(DELETE_FINISHED, None, &args).expect("delete finished jobs").len() as i64
+        let deleted: Vec<i64> = client
+            .update(DELETE_FINISHED, None, &args)
+            .expect("delete finished jobs")
+            .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))
+            .collect();
+        // Their waiters learn at the commit that they are gone.
+        crate::waiters::wake_waiters_at_commit(deleted.iter().copied(), crate::waiters::Change::Terminal);
+        deleted.len() as i64
     })
 }
 

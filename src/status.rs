@@ -85,8 +85,8 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
 /// The longest wait_for_durable_job may sleep, in seconds.
 const WAIT_TIMEOUT_LIMIT: f64 = 300.0;
 
-/// How often a waiter re-reads the job when no commit will wake it: no slot was free, or the
-/// library is not preloaded.
+/// How often a waiter re-reads the job when no commit will wake it: no slot was free, the
+/// library is not preloaded, or the server is a standby.
 const FALLBACK_RECHECK: Duration = Duration::from_secs(1);
 
 /// How often a waiter that commits wake re-reads the job anyway, for changes made outside our
@@ -117,7 +117,7 @@ fn wait_for_durable_job(
         );
     }
     let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
-    let call_is_whole_statement = wait_horizon::call_is_whole_statement(fcinfo);
+    let statement_snapshot = wait_horizon::call_is_whole_statement(fcinfo);
     // Published before the first read: a commit after that read sets the latch, so the sleep
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
@@ -134,9 +134,11 @@ fn wait_for_durable_job(
         if changed || now >= deadline {
             break Some(row);
         }
-        let recheck = if slot.is_woken_at_commit() { WOKEN_RECHECK } else { FALLBACK_RECHECK };
+        // On a standby, changes arrive by WAL replay, which runs no commit of ours to wake anyone.
+        let woken = slot.is_woken_at_commit() && !unsafe { pg_sys::RecoveryInProgress() };
+        let recheck = if woken { WOKEN_RECHECK } else { FALLBACK_RECHECK };
         let sleep = (deadline - now).min(recheck);
-        wait_horizon::release_for_sleep(call_is_whole_statement);
+        wait_horizon::release_for_sleep(statement_snapshot);
         unsafe {
             pg_sys::WaitLatch(
                 pg_sys::MyLatch,

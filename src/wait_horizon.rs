@@ -30,18 +30,19 @@ unsafe fn node_tag(node: *mut std::ffi::c_void) -> Option<pg_sys::NodeTag> {
     (!node.is_null()).then(|| unsafe { (*(node as *mut pg_sys::Node)).type_ })
 }
 
-/// Whether the call behind `fcinfo` is its statement's only work (the first condition above).
-pub fn call_is_whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> bool {
+/// The statement's snapshot, if the call behind `fcinfo` is its statement's only work (the
+/// first condition above).
+pub fn call_is_whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Option<pg_sys::Snapshot> {
     match unsafe { whole_statement(fcinfo) } {
-        Ok(()) => true,
+        Ok(snapshot) => Some(snapshot),
         Err(reason) => {
             pgrx::debug1!("wait_for_durable_job keeps its statement's xmin while it sleeps: {reason}");
-            false
+            None
         }
     }
 }
 
-unsafe fn whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), &'static str> {
+unsafe fn whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Result<pg_sys::Snapshot, &'static str> {
     unsafe {
         let portal = pg_sys::ActivePortal;
         if portal.is_null()
@@ -87,23 +88,29 @@ unsafe fn whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), &'stat
         if !only_columns {
             return Err("not only its columns");
         }
-        Ok(())
+        Ok((*(*portal).queryDesc).snapshot)
     }
 }
 
-/// Before a sleep of a call that is its whole statement: stops advertising the backend's xmin
-/// if the statement's snapshot is the transaction's only one (the second condition above).
-/// Checked before every sleep: the wait's own reads come and go in between.
-pub fn release_for_sleep(call_is_whole_statement: bool) -> bool {
-    if !call_is_whole_statement {
-        return false;
-    }
+/// Before a sleep of a call that is its whole statement (`statement_snapshot`): stops
+/// advertising the backend's xmin if that snapshot is the transaction's only one and only the
+/// statement itself holds it (the second condition above). Checked before every sleep: the
+/// wait's own reads come and go in between.
+pub fn release_for_sleep(statement_snapshot: Option<pg_sys::Snapshot>) -> bool {
+    let Some(snapshot) = statement_snapshot else { return false };
     unsafe {
         // The catalog snapshot counts as registered; the next catalog read takes a new one.
         pg_sys::InvalidateCatalogSnapshot();
         if pg_sys::IsTransactionBlock()
             || pg_sys::XactHasExportedSnapshots()
             || !pg_sys::ThereAreNoPriorRegisteredSnapshots()
+            // The heap counts snapshots, not their holders: something that registered or pushed
+            // the statement's own snapshot again (a read-only cursor opened in an argument,
+            // lo_open) would read with it later. (ThereAreNoReadyPortals would also see such a
+            // cursor, but leaks its hash scan when it finds one.) The statement holds it twice (its query and
+            // its executor) and has it active once.
+            || (*snapshot).regd_count != STATEMENT_REGISTRATIONS
+            || (*snapshot).active_count != 1
         {
             return false;
         }
@@ -112,3 +119,6 @@ pub fn release_for_sleep(call_is_whole_statement: bool) -> bool {
     }
     true
 }
+
+/// How often a client's plain SELECT registers its snapshot: CreateQueryDesc and ExecutorStart.
+const STATEMENT_REGISTRATIONS: u32 = 2;

@@ -124,7 +124,7 @@ pub enum Change {
 /// Notes that the current transaction changed `job_ids`, so that their waiters wake when it
 /// commits (a rollback wakes no one; a spurious wake-up only makes a waiter read again). A
 /// change marked `Other` that was terminal after all would only leave a waiter to its
-/// once-a-second re-read.
+/// ten-second re-read.
 pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Change) {
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return;
@@ -138,7 +138,7 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Ch
     if !first {
         return;
     }
-    // A prepared transaction's waiters see its change at their next once-a-second re-read.
+    // A prepared transaction's waiters wake at its COMMIT PREPARED (hooks.rs), every one of them.
     at_commit_or_forget(
         || {
             let changed = CHANGED.with(|changed| std::mem::take(&mut *changed.borrow_mut()));

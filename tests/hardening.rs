@@ -781,10 +781,31 @@ fn on_a_hot_standby_the_worker_waits_and_starts_work_after_promotion() {
         count(&mut replica, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'available'"),
         5
     );
+    // A waiter on the standby sees a change the primary made once replay brings it: no commit
+    // of ours runs there to wake it, so it re-reads every second. Broken on purpose: with the
+    // ten-second re-read of a server that is not in recovery, it took 10 s and failed.
+    let job_id: i64 =
+        client.query_one("SELECT min(job_id) FROM durable_jobs.durable_job", &[]).unwrap().get(0);
+    let mut standby_waiter = standby.connect();
+    let waiter = std::thread::spawn(move || {
+        let state: String = standby_waiter
+            .query_one("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 30)", &[&job_id])
+            .unwrap()
+            .get(0);
+        (state, std::time::Instant::now())
+    });
+    wait_until(Duration::from_secs(10), "the standby waiter asleep", || {
+        count(&mut replica, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Extension'") == 1
+    });
+    client.execute("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    let cancelled_at = std::time::Instant::now();
+    let (state, returned_at) = waiter.join().unwrap();
+    assert_eq!(state, "cancelled");
+    assert!(returned_at - cancelled_at < Duration::from_secs(3), "{:?}", returned_at - cancelled_at);
 
     standby.pg_ctl(&["promote", "-w", "-t", "60"]);
     wait_until(Duration::from_secs(30), "the promoted server's worker to run the jobs", || {
-        count(&mut replica, "SELECT count(*) FROM public.effects") == 5
+        count(&mut replica, "SELECT count(*) FROM public.effects") == 4
     });
     // Quiet while waiting: one start, after the promotion, and no error or restart.
     let log = standby.server_log();

@@ -172,12 +172,15 @@ fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> b
             pid_sender.send(client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0)).unwrap();
             thread::spawn(move || {
                 // Each ends with the cancel below.
-                if simple {
-                    let _ = client.simple_query(&wait.replace("{job}", &job_id.to_string()));
+                let ended = if simple {
+                    client.simple_query(&wait.replace("{job}", &job_id.to_string())).err()
                 } else {
                     client.batch_execute(setup).unwrap();
-                    let _ = client.query(wait, &[&job_id]);
-                }
+                    client.query(wait, &[&job_id]).err()
+                };
+                // Only the cancel may end it: anything else would leave nothing asleep to check.
+                let ended = ended.map(|error| harness::sqlstate(&error));
+                assert_eq!(ended.as_deref(), Some("57014"), "{wait}");
             })
         }
     };
@@ -203,10 +206,12 @@ fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> b
 }
 
 /// Broken on purpose, one check at a time: without the executor-depth check the PL/pgSQL loop
-/// (form 4) released its xmin; without the snapshot checks the cursor and both exported
-/// snapshots (2, 5, 6); without the call-identity check nothing, as the depth check also stops
-/// the nested wait (3), which the identity check alone stopped when depth was not checked.
-/// A review had broken an earlier version with the nested and the pipeline forms.
+/// released its xmin; without the snapshot checks the cursor and both exported snapshots;
+/// without the check of who holds the statement's snapshot, the cursor and the large object
+/// opened in an argument (a review read rows vacuum had removed through both); without the
+/// call-identity check nothing, as the depth check also stops the nested wait, which the
+/// identity check alone stopped when depth was not checked. Reviews had broken earlier
+/// versions with the nested, the pipeline and the argument forms.
 #[test]
 fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps() {
     let cluster = Cluster::start(PRELOADED);
@@ -215,7 +220,11 @@ fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps(
     producer
         .batch_execute(
             "CREATE FUNCTION public.nested_wait(job bigint) RETURNS bigint STABLE LANGUAGE sql
-                 AS 'SELECT job_id FROM durable_jobs.wait_for_durable_job(job, NULL, 60)';",
+                 AS 'SELECT job_id FROM durable_jobs.wait_for_durable_job(job, NULL, 60)';
+             CREATE FUNCTION public.opener(job bigint) RETURNS bigint STABLE LANGUAGE plpgsql AS $$
+                 DECLARE opened refcursor := 'opened_in_an_argument';
+                 BEGIN OPEN opened FOR SELECT count(*) FROM pg_class; RETURN job; END $$;
+             SELECT lo_create(4242);",
         )
         .unwrap();
     let alone = "SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 60)";
@@ -242,6 +251,17 @@ fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps(
         WaitForm::Extended {
             setup: "",
             wait: "SELECT job_state FROM durable_jobs.wait_for_durable_job(public.nested_wait($1), NULL, 60)",
+        },
+        // A cursor opened by a STABLE function in an argument, on the statement's own snapshot
+        // (the heap of registered snapshots still counts one), read later in the transaction.
+        WaitForm::Extended {
+            setup: "",
+            wait: "SELECT job_state FROM durable_jobs.wait_for_durable_job(public.opener($1), NULL, 60)",
+        },
+        // A large object opened in an argument: it registers the statement's snapshot again.
+        WaitForm::Extended {
+            setup: "",
+            wait: "SELECT job_state FROM durable_jobs.wait_for_durable_job($1::bigint + 0 * lo_open(4242, 262144), NULL, 60)",
         },
         // A PL/pgSQL loop over it (a cursor).
         WaitForm::Simple(
@@ -296,6 +316,63 @@ fn a_waiter_with_a_known_version_wakes_on_the_next_change_and_sees_nothing_uncom
 
 /// Broken on purpose: without the wake-up after COMMIT PREPARED, the waiter returned only at its
 /// ten-second re-read and the test failed.
+/// The executor and utility hooks let every error through as it was raised. Broken on purpose:
+/// hooks that caught and re-raised errors (through pgrx) turned the custom SQLSTATE into XX000,
+/// dropped the constraint name and context, and the DO block's handler no longer caught it.
+#[test]
+fn errors_pass_through_the_hooks_unchanged() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.u (id int CONSTRAINT u_pk PRIMARY KEY);
+             INSERT INTO public.u VALUES (1);
+             CREATE FUNCTION public.boom() RETURNS void LANGUAGE plpgsql
+                 AS $$ BEGIN RAISE EXCEPTION 'boom' USING ERRCODE = 'P0042'; END $$;",
+        )
+        .unwrap();
+    let error = client.execute("SELECT public.boom()", &[]).unwrap_err();
+    let raised = error.as_db_error().expect("a server error");
+    assert_eq!(raised.code().code(), "P0042");
+    assert!(raised.where_().is_some_and(|context| context.contains("boom")), "{raised:?}");
+    let error = client.execute("INSERT INTO public.u VALUES (1)", &[]).unwrap_err();
+    let raised = error.as_db_error().expect("a server error");
+    assert_eq!(
+        (raised.code().code(), raised.constraint(), raised.table()),
+        ("23505", Some("u_pk"), Some("u"))
+    );
+    // Caught by its SQLSTATE in PL/pgSQL, inside a utility command (DO) and an executor run.
+    client
+        .batch_execute(
+            "DO $$ BEGIN PERFORM public.boom(); EXCEPTION WHEN SQLSTATE 'P0042' THEN NULL; END $$;
+             DO $$ DECLARE name text; BEGIN INSERT INTO public.u VALUES (1);
+                 EXCEPTION WHEN unique_violation THEN
+                     GET STACKED DIAGNOSTICS name = CONSTRAINT_NAME;
+                     IF name IS DISTINCT FROM 'u_pk' THEN RAISE 'constraint name lost: %', name; END IF;
+             END $$;",
+        )
+        .unwrap();
+}
+
+/// Broken on purpose: without the wake-up at the prune's commit, the waiter learnt the job was
+/// gone at its ten-second re-read and the test failed.
+#[test]
+fn pruning_a_job_wakes_its_waiters() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut producer = cluster.connect();
+    let job_id = enqueue(&mut producer, "external");
+    producer.execute("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    let version: i64 = producer
+        .query_one("SELECT state_version FROM durable_jobs.get_durable_job($1)", &[&job_id])
+        .unwrap()
+        .get(0);
+    let waiter = spawn_waiter(&cluster, job_id, Some(version), 60.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut producer).len() == 1);
+    producer.execute("SELECT durable_jobs.prune_durable_jobs('0 seconds')", &[]).unwrap();
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(3)).expect("the prune wakes it");
+    assert_eq!(state, None, "no row: the job is gone");
+}
+
 #[test]
 fn a_waiter_wakes_when_a_prepared_transaction_that_finished_its_job_commits() {
     let cluster = Cluster::start(&format!("{PRELOADED}\nmax_prepared_transactions = 2"));
