@@ -1,7 +1,7 @@
 // The job table's constraints and trigger, privileges and function declarations.
 
 fn update_rejected(assignments: &str, job_id: i64, sqlstate: &str) {
-    assert_rejected(
+    assert_table_refuses(
         &format!("UPDATE durable_jobs.durable_job SET {assignments} WHERE job_id = {job_id}"),
         sqlstate,
     );
@@ -22,7 +22,7 @@ fn constraints_make_bad_states_unrepresentable() {
     // A pending job keeps its payload.
     update_rejected("payload = NULL", job_id, "23514");
     update_rejected("priority = 5000", job_id, "23514");
-    assert_rejected(
+    assert_table_refuses(
         "INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by, idempotency_key)
          VALUES ('q', 'k', '{}', 1, current_user, 'key-without-fingerprint')",
         "23514",

@@ -13,6 +13,16 @@ extension_sql!(
         RETURN SQLSTATE;
     END
     $$;
+    -- The last job_id this session drew (NULL: none yet). Neither rollbacks nor other sessions
+    -- move it, unlike the sequence's position, which tests running beside this one move.
+    CREATE FUNCTION tests.last_job_id_drawn() RETURNS bigint
+        LANGUAGE plpgsql AS $$
+    BEGIN
+        RETURN pg_catalog.currval('durable_jobs.durable_job_job_id_seq');
+    EXCEPTION WHEN object_not_in_prerequisite_state THEN
+        RETURN NULL;
+    END
+    $$;
     "#,
     name = "test_support"
 );
@@ -24,18 +34,24 @@ pub fn sqlstate_of(statement: &str) -> Option<String> {
 
 /// Asserts that `statement` fails with `sqlstate` and leaves every job as it was. The failed
 /// statement's subtransaction rolls back any row it wrote, so the digest alone cannot fail; the
-/// job_id sequence, which no rollback moves back, shows whether it got as far as an insert.
-/// Broken on purpose: enqueue drawing its job_id before the fingerprint check failed here.
+/// last job_id this session drew, which no rollback moves back, shows whether it got as far as
+/// an insert. Broken on purpose: the 0.4.0 enqueue, which tried its insert before looking the
+/// key up, failed here for a key bound to another payload (and tests/security.rs likewise).
 pub fn assert_rejected(statement: &str, sqlstate: &str) {
-    let before = (jobs_fingerprint(), job_id_sequence_position());
+    let before = (jobs_fingerprint(), last_job_id_drawn());
     assert_eq!(sqlstate_of(statement).as_deref(), Some(sqlstate), "{statement}");
     assert_eq!(jobs_fingerprint(), before.0, "{statement} changed jobs");
-    assert_eq!(job_id_sequence_position(), before.1, "{statement} drew a job_id");
+    assert_eq!(last_job_id_drawn(), before.1, "{statement} drew a job_id");
 }
 
-/// Where the job_id sequence stands (nextval moves it for good, whatever rolls back).
-pub fn job_id_sequence_position() -> String {
-    one::<String>("SELECT last_value || '/' || is_called FROM durable_jobs.durable_job_job_id_seq")
+/// For statements on the table itself, which draw their job_id before its constraints refuse
+/// the row: only the SQLSTATE says anything (the rollback undoes the rest).
+pub fn assert_table_refuses(statement: &str, sqlstate: &str) {
+    assert_eq!(sqlstate_of(statement).as_deref(), Some(sqlstate), "{statement}");
+}
+
+pub fn last_job_id_drawn() -> Option<i64> {
+    Spi::get_one::<i64>("SELECT tests.last_job_id_drawn()").expect("last_job_id_drawn")
 }
 
 /// A digest of every job row, to show that a rejected call changed nothing.
