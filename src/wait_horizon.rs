@@ -80,6 +80,20 @@ unsafe fn whole_statement(fcinfo: pg_sys::FunctionCallInfo) -> Result<pg_sys::Sn
         if fcinfo.is_null() || (*fcinfo).flinfo.is_null() || (*(*fcinfo).flinfo).fn_expr != call {
             return Err("not the statement's own call");
         }
+        // Its rows go to the client: a cursor's go to SPI or a tuplestore (a plain SELECT run by
+        // a deferred trigger at commit, or by the planner folding a function, is also the only
+        // executor recorded, but runs under a snapshot pushed outside any of them).
+        let destination = (*(*portal).queryDesc).dest;
+        if destination.is_null()
+            || !matches!(
+                (*destination).mydest,
+                pg_sys::CommandDest::DestRemote
+                    | pg_sys::CommandDest::DestRemoteExecute
+                    | pg_sys::CommandDest::DestRemoteSimple
+            )
+        {
+            return Err("its rows do not go to the client");
+        }
         // Its columns and nothing more: an expression could call a function that reads.
         let only_columns = list_pointers((*plan).targetlist).into_iter().all(|entry| {
             let expression = (*(entry as *mut pg_sys::TargetEntry)).expr as *mut std::ffi::c_void;
@@ -112,6 +126,18 @@ pub fn release_for_sleep(statement_snapshot: Option<pg_sys::Snapshot>) -> bool {
             || (*snapshot).regd_count != STATEMENT_REGISTRATIONS
             || (*snapshot).active_count != 1
         {
+            return false;
+        }
+        // Nothing below the statement's snapshot on the active stack (a snapshot pushed by
+        // whatever runs the statement would be read again after it): the stack is private, so
+        // look by taking the statement's off and putting it back (the same copy, registered).
+        if pg_sys::GetActiveSnapshot() != snapshot {
+            return false;
+        }
+        pg_sys::PopActiveSnapshot();
+        let alone = !pg_sys::ActiveSnapshotSet();
+        pg_sys::PushActiveSnapshot(snapshot);
+        if !alone {
             return false;
         }
         // What SnapshotResetXmin does once a backend holds no snapshot.

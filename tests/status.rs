@@ -210,8 +210,10 @@ fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> b
 /// without the check of who holds the statement's snapshot, the cursor and the large object
 /// opened in an argument (a review read rows vacuum had removed through both); without the
 /// call-identity check nothing, as the depth check also stops the nested wait, which the
-/// identity check alone stopped when depth was not checked. Reviews had broken earlier
-/// versions with the nested, the pipeline and the argument forms.
+/// identity check alone stopped when depth was not checked; without the checks of where the
+/// rows go and of the active snapshots below the statement's, the deferred trigger's and the
+/// planner's loops. Reviews had broken earlier versions with the nested, the pipeline, the
+/// argument and the deferred-trigger forms.
 #[test]
 fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps() {
     let cluster = Cluster::start(PRELOADED);
@@ -224,7 +226,20 @@ fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps(
              CREATE FUNCTION public.opener(job bigint) RETURNS bigint STABLE LANGUAGE plpgsql AS $$
                  DECLARE opened refcursor := 'opened_in_an_argument';
                  BEGIN OPEN opened FOR SELECT count(*) FROM pg_class; RETURN job; END $$;
-             SELECT lo_create(4242);",
+             SELECT lo_create(4242);
+             CREATE FUNCTION public.loop_over_wait(job bigint) RETURNS bigint LANGUAGE plpgsql AS $$
+                 DECLARE r record;
+                 BEGIN FOR r IN SELECT * FROM durable_jobs.wait_for_durable_job(job, NULL, 60) LOOP END LOOP;
+                       RETURN job; END $$;
+             CREATE TABLE public.waits_at_commit (job bigint);
+             CREATE FUNCTION public.wait_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+                 DECLARE r record;
+                 BEGIN FOR r IN SELECT * FROM durable_jobs.wait_for_durable_job(NEW.job, NULL, 60) LOOP END LOOP;
+                       RETURN NULL; END $$;
+             CREATE CONSTRAINT TRIGGER wait_at_commit AFTER INSERT ON public.waits_at_commit
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.wait_at_commit();
+             CREATE FUNCTION public.folded_wait(job bigint) RETURNS bigint IMMUTABLE LANGUAGE plpgsql
+                 AS $$ BEGIN RETURN public.loop_over_wait(job); END $$;",
         )
         .unwrap();
     let alone = "SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 60)";
@@ -263,6 +278,12 @@ fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps(
             setup: "",
             wait: "SELECT job_state FROM durable_jobs.wait_for_durable_job($1::bigint + 0 * lo_open(4242, 262144), NULL, 60)",
         },
+        // A PL/pgSQL loop over it at commit, in a deferred trigger: the loop's query is the only
+        // executor running, under the snapshot the commit pushed, which the trigger's later
+        // reads use (review 2 read rows of a transaction that snapshot saw as running).
+        WaitForm::Extended { setup: "", wait: "INSERT INTO public.waits_at_commit VALUES ($1)" },
+        // The same while the planner folds an IMMUTABLE function.
+        WaitForm::Simple("SELECT public.folded_wait({job})"),
         // A PL/pgSQL loop over it (a cursor).
         WaitForm::Simple(
             "DO $$ DECLARE r record; BEGIN
