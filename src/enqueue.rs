@@ -36,6 +36,15 @@ const FIND_BY_KEY: &str = "
     ORDER BY enqueued_by = $5::pg_catalog.name DESC
     LIMIT 1";
 
+// The caller's own job holding the key: looked up before the insert. Another role's job with
+// the same key is no conflict (keys are per role), and must not be reported as one.
+const FIND_OWN_BY_KEY: &str = "
+    SELECT job_id,
+           job_kind = $3
+           AND payload_sha256 = pg_catalog.sha256(pg_catalog.convert_to($4::pg_catalog.text, 'UTF8'))
+    FROM durable_jobs.durable_job
+    WHERE queue_name = $1 AND idempotency_key = $2 AND enqueued_by = $5::pg_catalog.name";
+
 // Identity values follow insertion order, and rows are inserted in array order, so sorting by
 // job_id returns the ids in the order of the payloads. $8 as $9 of INSERT_JOB.
 const INSERT_JOBS: &str = "
@@ -106,7 +115,7 @@ impl JobTemplate {
         // A key already bound is checked before anything is written (no job_id is drawn): its own
         // job comes back, even with intake off (producers retry enqueues after timeouts), and
         // another job's key is refused. Anything that would take a new job in needs intake on.
-        let existing = idempotency_key.map(|key| self.find_by_key(client, key, payload));
+        let existing = idempotency_key.map(|key| self.find_by_key(client, FIND_OWN_BY_KEY, key, payload));
         if let Some((Some(job_id), Some(true))) = existing {
             return job_id;
         }
@@ -121,7 +130,7 @@ impl JobTemplate {
         // A concurrent enqueue took the key meanwhile; ON CONFLICT waited for it, so its row is
         // visible now.
         let key = idempotency_key.expect("a conflict implies a key");
-        match self.find_by_key(client, key, payload) {
+        match self.find_by_key(client, FIND_BY_KEY, key, payload) {
             (Some(job_id), Some(true)) => job_id,
             (Some(_), _) => key_used_by_another_job(),
             (None, _) => {
@@ -134,11 +143,12 @@ impl JobTemplate {
         }
     }
 
-    /// The job holding `key` in this queue, and whether it is this caller's job of this kind
-    /// and payload.
+    /// The job `statement` (FIND_BY_KEY or FIND_OWN_BY_KEY) finds holding `key` in this queue,
+    /// and whether it is this caller's job of this kind and payload.
     fn find_by_key(
         &self,
         client: &mut SpiClient,
+        statement: &str,
         key: &str,
         payload: JsonbDatum,
     ) -> (Option<i64>, Option<bool>) {
@@ -149,7 +159,7 @@ impl JobTemplate {
             payload.into(),
             self.enqueued_by.as_str().into(),
         ];
-        let existing = plans::execute(client, FIND_BY_KEY, &args);
+        let existing = plans::execute(client, statement, &args);
         match existing.is_empty() {
             true => (None, None),
             false => existing.first().get_two::<i64, bool>().expect("existing job"),

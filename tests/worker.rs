@@ -480,8 +480,8 @@ fn an_enqueue_wakes_a_sleeping_worker_without_waiting_for_the_poll_interval() {
     }
     // A rolled-back enqueue wakes nobody and leaves nothing: a woken worker polls, finds
     // nothing and counts an idle poll. The committed enqueue after it (of a kind no handler
-    // takes) shows that a wake-up would have been counted. Broken on purpose: waking at the
-    // enqueue instead of at its commit failed the first check.
+    // takes) shows that a wake-up would have been counted. Broken on purpose: waking the
+    // workers at an enqueue's rollback as well as at its commit failed the first check.
     let settled = |client: &mut Client| {
         let mut last = -1;
         wait_until(Duration::from_secs(30), "the worker to settle", || {
