@@ -6,18 +6,21 @@
 //! stop advertising it while it sleeps only when no snapshot taken before the sleep will ever be
 //! read again; the wait's own reads take a fresh snapshot each time (plans::with_fresh_snapshot),
 //! which advertises a new xmin. That holds when all of these do:
-//! - this call is the whole statement: the client's statement (not a cursor's, a function's or a
-//!   utility command's query: see hooks.rs) whose plan is only a scan of this one call, projecting its columns, with no
-//!   filter and no subquery. Its arguments were evaluated before the call, and once it
-//!   returns nothing reads with the statement's snapshot: the rows it returns were formed whole
+//! - this call is the whole statement: the client's own statement (not a cursor's, a
+//!   function's, a trigger's or a utility command's query: hooks.rs, and its rows go to the
+//!   client), whose plan is only a scan of this one call, projecting its columns, with no
+//!   filter and no subquery. Its arguments were evaluated before the call, and once it returns
+//!   nothing reads with the statement's snapshot: the rows it returns were formed whole
 //!   (composite values carry no pointers to TOAST).
-//! - the statement's snapshot is the only one registered in the transaction (no open cursor,
-//!   no other portal of a pipeline, no exported snapshot) and the transaction is not a block
-//!   (an earlier statement's cursor, or one declared later, could read older rows).
-//! Anything else keeps the horizon while it sleeps, as any open statement does.
+//! - the statement alone holds its snapshot, which is the transaction's only one, registered or
+//!   active (no open cursor, no other portal of a pipeline, no exported snapshot, nothing an
+//!   argument opened), and the transaction is not a block.
+//! Anything else keeps the horizon while it sleeps, as any open statement does. Three reviews
+//! broke earlier versions; tests/status.rs keeps each form they used.
 
 use crate::hooks;
 use pgrx::pg_sys;
+
 /// The elements of a PostgreSQL List of pointers.
 unsafe fn list_pointers(list: *mut pg_sys::List) -> Vec<*mut std::ffi::c_void> {
     if list.is_null() {
@@ -120,9 +123,9 @@ pub fn release_for_sleep(statement_snapshot: Option<pg_sys::Snapshot>) -> bool {
             || !pg_sys::ThereAreNoPriorRegisteredSnapshots()
             // The heap counts snapshots, not their holders: something that registered or pushed
             // the statement's own snapshot again (a read-only cursor opened in an argument,
-            // lo_open) would read with it later. (ThereAreNoReadyPortals would also see such a
-            // cursor, but leaks its hash scan when it finds one.) The statement holds it twice (its query and
-            // its executor) and has it active once.
+            // lo_open) would read with it later. The statement holds it twice (its query and its
+            // executor) and has it active once. (ThereAreNoReadyPortals would also see such a
+            // cursor, but leaks its hash scan when it finds one.)
             || (*snapshot).regd_count != STATEMENT_REGISTRATIONS
             || (*snapshot).active_count != 1
         {
