@@ -51,10 +51,18 @@ fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     });
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 20);
 
-    // Switched off again, it leaves new jobs alone.
+    // Switched off again, it leaves new jobs alone. The reload reached every process once this
+    // session sees it; the worker applies it at its next poll (50 ms), well within the margin.
     client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off").unwrap();
     client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    wait_until(Duration::from_secs(10), "the reload to arrive", || {
+        client
+            .query_one("SELECT current_setting('durable_jobs.worker_enabled')", &[])
+            .unwrap()
+            .get::<_, String>(0)
+            == "off"
+    });
+    std::thread::sleep(Duration::from_millis(200));
     enqueue_many(&mut client, "record", 3);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(jobs_in_state(&mut client, "available"), 3);
