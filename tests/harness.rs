@@ -329,13 +329,24 @@ fn claim_in(
 }
 
 /// complete_durable_job for `job` as `worker`: `succeeded` or `stale`.
-pub fn complete(client: &mut Client, job: &Claimed, worker: &str) -> String {
+pub fn complete(client: &mut impl postgres::GenericClient, job: &Claimed, worker: &str) -> String {
     client
         .query_one(
             "SELECT durable_jobs.complete_durable_job($1, $2, $3::text::uuid)",
             &[&job.job_id, &worker, &job.lease_token],
         )
         .unwrap_or_else(|e| panic!("complete: {}", error_text(&e)))
+        .get(0)
+}
+
+/// fail_durable_job for `job` as `worker` with `code`: `retried`, `failed` or `stale`.
+pub fn fail(client: &mut impl postgres::GenericClient, job: &Claimed, worker: &str, code: &str) -> String {
+    client
+        .query_one(
+            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)",
+            &[&job.job_id, &worker, &job.lease_token, &code],
+        )
+        .unwrap_or_else(|e| panic!("fail: {}", error_text(&e)))
         .get(0)
 }
 

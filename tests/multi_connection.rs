@@ -1,7 +1,7 @@
 //! Many connections against one real cluster: claims never overlap, fencing holds across
 //! sessions, and cancel races complete cleanly.
 
-use harness::{claim, complete, count, sqlstate, wait_until, Cluster};
+use harness::{claim, complete, count, fail, sqlstate, wait_until, Cluster};
 use postgres::Client;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -114,14 +114,7 @@ fn completion_after_lease_expiry_is_stale_and_does_not_overwrite_the_reclaim() {
 
     // Every fenced call of the old holder is refused and changes nothing.
     assert_eq!(complete(&mut first, &lost, "worker-1"), "stale");
-    let failed: String = first
-        .query_one(
-            "SELECT durable_jobs.fail_durable_job($1, 'worker-1', $2::text::uuid, 'target_unavailable')",
-            &[&job_id, &lost.lease_token],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(failed, "stale");
+    assert_eq!(fail(&mut first, &lost, "worker-1", "target_unavailable"), "stale");
     let extended: Option<std::time::SystemTime> = first
         .query_one(
             "SELECT durable_jobs.extend_durable_job_lease($1, 'worker-1', $2::text::uuid)",
@@ -153,14 +146,7 @@ fn a_retried_job_is_claimable_only_after_its_backoff() {
     let mut client = cluster.connect();
     let job_id = enqueue(&mut client, "later", 1)[0];
     let job = claim(&mut client, "w", 60).unwrap();
-    let outcome: String = client
-        .query_one(
-            "SELECT durable_jobs.fail_durable_job($1, 'w', $2::text::uuid, 'target_unavailable')",
-            &[&job_id, &job.lease_token],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(outcome, "retried");
+    assert_eq!(fail(&mut client, &job, "w", "target_unavailable"), "retried");
     // The first retry waits 1 to 2 s (base delay 2 s times a jitter factor in [0.5, 1)).
     let waits: f64 = client
         .query_one(

@@ -429,9 +429,6 @@ fn a_bad_worker_setting_is_refused_with_a_clear_message() {
     assert_eq!(sqlstate(&error), "22023");
 }
 
-/// A lease lost mid-handler by expiry and reclaim (the worker cuts handlers before their lease
-/// ends, so here an operator ends it early): the worker's completion is stale and its handler's
-/// write rolls back; the reclaimer's completion stands, one effect in all.
 /// The worker logs one line when it starts and no other line of its own in a quiet run; a fast
 /// shutdown ends it at once through PostgreSQL's own SIGTERM handler (reliability.md said it
 /// also logged a line at stop: its loop never gets to it, as `die` ends the process first).
@@ -456,60 +453,9 @@ fn the_worker_logs_one_line_when_it_starts_and_stops_at_once_at_shutdown() {
     assert!(!log.contains("ERROR"), "{log}");
 }
 
-#[test]
-fn a_lease_lost_to_expiry_and_reclaim_mid_handler_rolls_the_handlers_writes_back() {
-    let cluster = Cluster::start(WORKER_CONF);
-    let mut client = cluster.connect();
-    client
-        .batch_execute(
-            "CREATE TABLE public.effects (who text);
-             CREATE FUNCTION public.slow_write(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
-             BEGIN
-                 INSERT INTO public.effects VALUES ('worker');
-                 PERFORM pg_sleep(2);
-             END $$;
-             SELECT durable_jobs.register_durable_job_handler('slow_write', 'public.slow_write(jsonb)');",
-        )
-        .unwrap();
-    let job_id: i64 =
-        client.query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[]).unwrap().get(0);
-    wait_until(Duration::from_secs(20), "the handler to start", || {
-        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
-    });
-    // The lease ends now, and an external worker takes the job over and finishes it.
-    client
-        .execute(
-            "UPDATE durable_jobs.durable_job SET lease_expires_at = clock_timestamp() WHERE job_id = $1",
-            &[&job_id],
-        )
-        .unwrap();
-    let reclaimed = harness::claim(&mut client, "external", 60).expect("the expired lease is reclaimed");
-    assert_eq!((reclaimed.job_id, reclaimed.attempt_count), (job_id, 2));
-    let mut txn = client.transaction().unwrap();
-    txn.execute("INSERT INTO public.effects VALUES ('external')", &[]).unwrap();
-    let outcome: String = txn
-        .query_one(
-            "SELECT durable_jobs.complete_durable_job($1, 'external', $2::text::uuid)",
-            &[&job_id, &reclaimed.lease_token],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(outcome, "succeeded");
-    txn.commit().unwrap();
-    wait_until(Duration::from_secs(20), "the worker to find its lease lost", || {
-        metric(&mut client, "stale") == 1
-    });
-    assert_eq!(
-        harness::table_rows(&mut client, "public.effects", "who"),
-        vec!["(external)".to_string()],
-        "the worker's write rolled back"
-    );
-    assert_eq!(metric(&mut client, "succeeded"), 0);
-}
-
-#[test]
-fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
-    let cluster = Cluster::start(WORKER_CONF);
+/// A job whose handler has written 1 to public.effects and now sleeps for 2 s: the client and
+/// the job's id.
+fn a_slow_write_running(cluster: &Cluster) -> (Client, i64) {
     let mut client = cluster.connect();
     client
         .batch_execute(
@@ -527,6 +473,44 @@ fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
     wait_until(Duration::from_secs(20), "the handler to start", || {
         count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
     });
+    (client, job_id)
+}
+
+/// A lease lost mid-handler by expiry and reclaim (the worker cuts handlers before their lease
+/// ends, so here an operator ends it early): the worker's completion is stale and its handler's
+/// write rolls back; the reclaimer's completion stands, one effect in all.
+#[test]
+fn a_lease_lost_to_expiry_and_reclaim_mid_handler_rolls_the_handlers_writes_back() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let (mut client, job_id) = a_slow_write_running(&cluster);
+    // The lease ends now, and an external worker takes the job over and finishes it.
+    client
+        .execute(
+            "UPDATE durable_jobs.durable_job SET lease_expires_at = clock_timestamp() WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap();
+    let reclaimed = harness::claim(&mut client, "external", 60).expect("the expired lease is reclaimed");
+    assert_eq!((reclaimed.job_id, reclaimed.attempt_count), (job_id, 2));
+    let mut txn = client.transaction().unwrap();
+    txn.execute("INSERT INTO public.effects VALUES (2)", &[]).unwrap();
+    assert_eq!(harness::complete(&mut txn, &reclaimed, "external"), "succeeded");
+    txn.commit().unwrap();
+    wait_until(Duration::from_secs(20), "the worker to find its lease lost", || {
+        metric(&mut client, "stale") == 1
+    });
+    assert_eq!(
+        harness::table_rows(&mut client, "public.effects", "n"),
+        vec!["(2)".to_string()],
+        "the worker's write rolled back"
+    );
+    assert_eq!(metric(&mut client, "succeeded"), 0);
+}
+
+#[test]
+fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let (mut client, job_id) = a_slow_write_running(&cluster);
     let cancelled: bool =
         client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
     assert!(cancelled);
