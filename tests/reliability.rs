@@ -429,6 +429,78 @@ fn terminated_background_workers_mid_batch() {
     assert_workers_took_part(&cluster);
 }
 
+/// A worker terminated while the second job of a batch runs, after the first succeeded in its
+/// subtransaction: the whole batch rolls back, both jobs run again after their leases, and the
+/// counters (shared memory, which a terminate keeps) count each success once, as the rows do.
+/// Deliberate break: counting `succeeded` as each job's subtransaction succeeds (in run_job)
+/// instead of publishing the batch's tally after its commit made the counter 3 against 2 rows.
+#[test]
+fn a_batch_rolled_back_after_a_success_counts_none_of_it() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.lease_duration = 10\ndurable_jobs.claim_batch_size = 10\n"
+    ));
+    let mut client = cluster.connect();
+    client.batch_execute(SETUP).unwrap();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.effect_then_wait(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::bigint, 'worker');
+                 IF (payload->>'wait')::boolean THEN
+                     PERFORM pg_advisory_xact_lock(4242);
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('effect_then_wait', 'public.effect_then_wait(jsonb)');",
+        )
+        .unwrap();
+    let mut blocker = cluster.connect();
+    blocker.execute("SELECT pg_advisory_lock(4242)", &[]).unwrap();
+    let first_pids = cluster.worker_pids(&mut client);
+    // One transaction, so that one claim takes both, the quick one first (job_id order).
+    client
+        .batch_execute(
+            "BEGIN;
+             SELECT durable_jobs.enqueue_durable_job('effect_then_wait', '{\"n\": 1, \"wait\": false}');
+             SELECT durable_jobs.enqueue_durable_job('effect_then_wait', '{\"n\": 2, \"wait\": true}');
+             COMMIT;",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the second job's handler waiting on the lock", || {
+        count(
+            &mut client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
+        ) == 1
+    });
+    // The first job succeeded in its subtransaction; nothing of the batch has committed.
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'"),
+        2
+    );
+    count(
+        &mut client,
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                               WHERE backend_type = 'durable_jobs worker') t",
+    );
+    blocker.execute("SELECT pg_advisory_unlock(4242)", &[]).unwrap();
+    wait_until(Duration::from_secs(60), "both jobs succeeded after their leases", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 2
+    });
+    let new_pids = cluster.worker_pids(&mut client);
+    assert!(!new_pids.is_empty() && new_pids != first_pids, "the worker was terminated and restarted");
+    assert_eq!(
+        count(&mut client, "SELECT min(attempt_count)::bigint FROM durable_jobs.durable_job"),
+        2,
+        "both jobs ran again: the first job's success went with its batch"
+    );
+    assert_eq!(
+        harness::table_rows(&mut client, "public.effects", "n"),
+        ["(1,worker)", "(2,worker)"],
+        "one effect per job"
+    );
+    assert_counters_match_rows(&mut client, "a_batch_rolled_back_after_a_success");
+}
+
 #[test]
 fn terminated_external_workers_leave_jobs_that_come_back() {
     const JOBS: i64 = 300;
