@@ -57,6 +57,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
 
     let worker_id = format!("durable_jobs-worker-{number}");
     let mut last_prune = Instant::now();
+    let mut reported_enabled = None;
     loop {
         // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
@@ -65,7 +66,9 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             if BackgroundWorker::sighup_received() {
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             }
-            let found_job = settings::WORKER_ENABLED.get() && poll_once(number, &worker_id);
+            let enabled = settings::WORKER_ENABLED.get();
+            report_whether_enabled(enabled, &mut reported_enabled);
+            let found_job = enabled && poll_once(number, &worker_id);
             // Retention does not depend on whether jobs run: pruning goes on with the worker off.
             if last_prune.elapsed() >= PRUNE_EVERY {
                 prune_finished_jobs();
@@ -83,6 +86,20 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
+}
+
+/// Shows in pg_stat_activity whether this worker claims jobs, when that changes: how an operator
+/// sees that a reload switching the worker off (or on) has reached it.
+fn report_whether_enabled(enabled: bool, reported: &mut Option<bool>) {
+    if *reported != Some(enabled) {
+        let (state, activity) = if enabled {
+            (pg_sys::BackendState::STATE_RUNNING, c"claiming jobs")
+        } else {
+            (pg_sys::BackendState::STATE_IDLE, c"switched off (durable_jobs.worker_enabled = off)")
+        };
+        unsafe { pg_sys::pgstat_report_activity(state, activity.as_ptr()) };
+        *reported = Some(enabled);
+    }
 }
 
 /// Logs a warning when `max_worker_processes` leaves no sure room for each worker's role runner

@@ -31,6 +31,22 @@ fn jobs_in_state(client: &mut Client, state: &str) -> i64 {
         .get(0)
 }
 
+const SWITCHED_OFF: &str = "switched off (durable_jobs.worker_enabled = off)";
+const CLAIMING: &str = "claiming jobs";
+
+/// Waits until the (one) background worker shows `activity` in pg_stat_activity.
+fn wait_for_worker_activity(client: &mut Client, activity: &str) {
+    wait_until(Duration::from_secs(30), activity, || {
+        count(
+            client,
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND query = '{activity}'"
+            ),
+        ) == 1
+    });
+}
+
 #[test]
 fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     let cluster =
@@ -39,7 +55,9 @@ fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     client.batch_execute(EFFECTS).unwrap();
     enqueue_many(&mut client, "record", 20);
     assert_eq!(cluster.worker_pids(&mut client).len(), 1, "one worker is registered by default");
+    wait_for_worker_activity(&mut client, SWITCHED_OFF);
 
+    // A window, not a synchronisation: the worker, woken by the enqueue, must claim nothing.
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(jobs_in_state(&mut client, "available"), 20, "a switched-off worker claims nothing");
     assert_eq!(metric(&mut client, "claimed"), 0);
@@ -51,18 +69,13 @@ fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     });
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 20);
 
-    // Switched off again, it leaves new jobs alone. The reload reached every process once this
-    // session sees it; the worker applies it at its next poll (50 ms), well within the margin.
+    // Switched off again, it leaves new jobs alone once pg_stat_activity shows the reload
+    // reached it. Broken on purpose: a worker that kept claiming once it had been switched on
+    // (its report still following the setting) failed the last check.
+    wait_for_worker_activity(&mut client, CLAIMING);
     client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off").unwrap();
     client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    wait_until(Duration::from_secs(10), "the reload to arrive", || {
-        client
-            .query_one("SELECT current_setting('durable_jobs.worker_enabled')", &[])
-            .unwrap()
-            .get::<_, String>(0)
-            == "off"
-    });
-    std::thread::sleep(Duration::from_millis(200));
+    wait_for_worker_activity(&mut client, SWITCHED_OFF);
     enqueue_many(&mut client, "record", 3);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(jobs_in_state(&mut client, "available"), 3);
