@@ -311,6 +311,7 @@ fn a_job_runs_only_a_handler_its_enqueuer_trusts_and_registrations_serve_their_o
     enqueue_as(&mut admin, "a_kind");
     enqueue_as(&mut admin, "admins_kind");
     wait_until(Duration::from_secs(30), "the runnable jobs to finish", || finished(&mut admin) == 5);
+    // A window in which no other job may run, not a synchronisation.
     std::thread::sleep(Duration::from_millis(500));
 
     assert_eq!(outcome_by(&mut admin, "a_kind", "app_a"), ("succeeded".into(), None));
@@ -558,8 +559,9 @@ fn cancelling_an_idle_worker_does_not_restart_it() {
     let mut client = cluster.connect();
     let pids = cluster.worker_pids(&mut client);
     client.execute("SELECT pg_cancel_backend($1)", &[&pids[0]]).unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
-    assert_eq!(cluster.worker_pids(&mut client), pids);
+    wait_until(Duration::from_secs(20), "the worker to log the cancel", || {
+        cluster.server_log().contains("with SQLSTATE 57014; rolled back")
+    });
     client
         .batch_execute(
             "CREATE TABLE public.effects (n integer);
@@ -572,6 +574,7 @@ fn cancelling_an_idle_worker_does_not_restart_it() {
     wait_until(Duration::from_secs(20), "the job to run", || {
         count(&mut client, "SELECT count(*) FROM public.effects") == 1
     });
+    assert_eq!(cluster.worker_pids(&mut client), pids, "the cancelled worker ran the job itself");
 }
 
 #[test]
@@ -775,6 +778,7 @@ fn on_a_hot_standby_the_worker_waits_and_starts_work_after_promotion() {
     let mut replica = standby.connect();
     let in_recovery: bool = replica.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0);
     assert!(in_recovery);
+    // A window in which no worker may start, not a synchronisation.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(standby.worker_pids(&mut replica).is_empty(), "no worker runs during recovery");
     assert_eq!(
@@ -1042,7 +1046,9 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     enqueue(&mut app_b, "note");
-    std::thread::sleep(Duration::from_millis(2500));
+    wait_until(Duration::from_secs(20), "app_b's batch to find no runner", || {
+        cluster.server_log().contains("no role runner could start")
+    });
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's second job", || finished(&mut admin) == 2);
     let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");

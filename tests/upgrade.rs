@@ -222,7 +222,7 @@ fn an_update_from_the_oldest_version_equals_a_fresh_install_and_keeps_every_job(
         )
         .unwrap();
 
-    // The 0.2.0 library's worker leaves a 0.1.0 schema alone.
+    // The 0.2.0 library's worker leaves a 0.1.0 schema alone (a window in which no job may run).
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 0, "no job runs before the update");
     let jobs_before = all_jobs(&mut client);

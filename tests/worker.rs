@@ -371,6 +371,7 @@ fn a_worker_started_before_create_extension_waits_quietly() {
     let mut client = cluster.connect();
     let pids = cluster.worker_pids(&mut client);
     assert_eq!(pids.len(), 1);
+    // A window in which the worker, polling every 50 ms, must neither fail nor restart.
     std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(cluster.worker_pids(&mut client), pids, "the worker did not restart");
 
