@@ -165,7 +165,7 @@ if [ "${BENCH_ONLY:-}" != status ]; then
 echo
 row "reference" "figure" "ratio"
 
-declare -A ref
+declare -A ref fig
 for clients in 1 2; do
     out=$(pgbench_run -f "$scripts/update.sql" -c "$clients" -j "$clients" -T 10)
     ref[update_$clients]=$(tps_of "$out"); ref[update_latency_$clients]=$(latency_of "$out")
@@ -183,14 +183,28 @@ for clients in 1 2; do
     ref[raw_batch_$clients]=$(python3 -c "print(f'{$tps * 50:.0f}')")
     row "raw SKIP LOCKED, 50 per transaction, $clients client(s)" "${ref[raw_batch_$clients]}" ""
 done
+# The queue users would pick instead, in its best configuration (bench/graphile), on this
+# cluster while our worker is off; skipped where node is missing.
+graphile() { bash "$(dirname "$0")/graphile/run.sh" "postgres://postgres@127.0.0.1:$port/postgres" "$@"; }
+if out=$(graphile drain "$DRAIN_JOBS") && out+=$'\n'$(graphile latency 500); then
+    ref[graphile_drain]=$(awk '/^graphile_drain_jobs_per_s / {print $2}' <<<"$out")
+    ref[graphile_p50]=$(awk '/^graphile_latency_p50_ms / {print $2}' <<<"$out")
+    row "graphile-worker 0.17.3 drain (concurrency 24, local queue 500)" "${ref[graphile_drain]}" ""
+    row "graphile-worker enqueue-to-start latency p50 ms" "${ref[graphile_p50]}" ""
+else
+    echo "graphile-worker figures skipped (see above)"
+fi
+psql_q -c "DROP SCHEMA IF EXISTS graphile_worker, graphile_migrate CASCADE" >/dev/null 2>&1 || true
 
 echo
 row "durable_jobs" "figure" "ratio"
 for workers in 1 2; do
     if [ "$workers" = 2 ]; then stop_cluster; start_cluster 2; fi
     figure=$(drain "$workers" 1)
+    fig[batch1_$workers]=$figure
     row "worker drain, $workers worker(s), batch 1 (vs raw, $workers client(s))" "$figure" "$(ratio "$figure" "${ref[raw_$workers]}")"
     figure=$(drain "$workers" 50)
+    fig[batch50_$workers]=$figure
     row "worker drain, $workers worker(s), batch 50 (vs raw 50/txn, $workers)" "$figure" "$(ratio "$figure" "${ref[raw_batch_$workers]}")"
 done
 stop_cluster; start_cluster 1
@@ -198,6 +212,7 @@ stop_cluster; start_cluster 1
 for clients in 1 2 4 8; do
     reset_jobs "$JOBS" external
     figure=$(tps_of "$(pgbench_run -f "$scripts/api_one.sql" -c "$clients" -j "$clients" -t "$(per_client "$clients")")")
+    fig[api_$clients]=$figure
     row "SQL API claim + complete, $clients connection(s) (vs raw)" "$figure" "$(ratio "$figure" "${ref[raw_$clients]}")"
 done
 
@@ -232,6 +247,7 @@ psql_q -c "TRUNCATE durable_jobs.durable_job" -c "VACUUM durable_jobs.durable_jo
     -c "ALTER SYSTEM SET durable_jobs.retention_period = 2" -c "SELECT pg_reload_conf()" >/dev/null
 set_worker on 50
 passed=0
+size_started=$SECONDS
 size_at() { psql_q -c "SELECT pg_total_relation_size('durable_jobs.durable_job')"; }
 declare -A size
 for target in 20000 100000; do
@@ -245,6 +261,32 @@ for target in 20000 100000; do
     row "job table + indexes after $target jobs passed through, kB" "$(( size[$target] / 1024 ))" ""
 done
 row "size after 100,000 vs after 20,000" "" "$(ratio "${size[100000]}" "${size[20000]}")"
+row "seconds for the 100,000 jobs to pass through" "$(( SECONDS - size_started ))" ""
+
+# Issue #14's table: each target beside the figure and reference of this run.
+target_row() {  # label figure reference target(">=1.5" or "<=3")
+    python3 - "$@" <<'PY'
+import sys
+label, figure, reference, target = sys.argv[1:5]
+try:
+    ratio = float(figure) / float(reference)
+    bound = float(target[2:])
+    met = ratio >= bound if target.startswith(">=") else ratio <= bound
+    print(f"{label:<58} {figure:>10} {reference:>10} {ratio:>7.2f}x {target + 'x':>8}  {'met' if met else 'NOT met'}")
+except (ValueError, ZeroDivisionError):
+    print(f"{label:<58} {figure:>10} {reference or '-':>10} {'n/a':>8} {target + 'x':>8}")
+PY
+}
+echo
+printf '%-58s %10s %10s %8s %8s\n' "targets (issue #14)" "figure" "reference" "ratio" "target"
+target_row "worker batch 50 vs graphile-worker" "${fig[batch50_1]}" "${ref[graphile_drain]:-}" ">=1.5"
+target_row "worker batch 50 vs raw 50/txn, 1 client" "${fig[batch50_1]}" "${ref[raw_batch_1]}" ">=0.8"
+target_row "worker batch 1 vs raw one-job loop, 1 client" "${fig[batch1_1]}" "${ref[raw_1]}" ">=1.0"
+target_row "SQL API claim + complete, 1 connection vs raw" "${fig[api_1]}" "${ref[raw_1]}" ">=0.8"
+target_row "SQL API claim + complete, 2 connections vs raw" "${fig[api_2]}" "${ref[raw_2]}" ">=0.8"
+target_row "enqueue-to-start p50 ms vs pgbench 1-client latency" "$p50" "${ref[update_latency_1]}" "<=3"
+target_row "enqueue-to-start p50 ms vs graphile-worker p50" "$p50" "${ref[graphile_p50]:-}" "<=1"
+target_row "size after 100,000 jobs vs after 20,000" "${size[100000]}" "${size[20000]}" "<=2"
 fi
 
 echo

@@ -374,6 +374,7 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         ("renew", crate::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
         ("held", crate::lease::HELD_LEASES, many()),
         ("release", crate::lease::RELEASE_UNSTARTED, many()),
+        ("complete batch", crate::lease::COMPLETE_BATCH, many()),
         ("load", crate::execution::LOAD_JOBS, many()),
     ];
     for (name, statement, args) in statements {

@@ -113,28 +113,81 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
     (i64::from(lease_seconds) * 100).clamp(100, 2000)
 }
 
+/// How a batch marks its jobs succeeded.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// All the batch's successes in one fenced statement just before its commit. Each handler's
+    /// subtransaction is kept if its lease is live by the clock when it returns; should the
+    /// statement then find any of those leases lost, the whole transaction fails (see
+    /// `take_lease_lost_in_batch`) and the caller runs the batch again `PerJob`.
+    Batched,
+    /// Each job's success fenced in its own subtransaction, right after its handler.
+    PerJob,
+}
+
+thread_local! {
+    /// Set when a `Batched` run failed because a lease of its successes was lost.
+    static LEASE_LOST_IN_BATCH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the transaction that just failed was a `Batched` run that found a lease lost; clears
+/// the mark.
+pub fn take_lease_lost_in_batch() -> bool {
+    LEASE_LOST_IN_BATCH.with(|lost| lost.replace(false))
+}
+
+fn fail_batch_for_a_lost_lease() -> ! {
+    LEASE_LOST_IN_BATCH.with(|lost| lost.set(true));
+    ereport!(
+        ERROR,
+        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+        "a lease of the batch was lost before its commit; the batch runs again job by job"
+    );
+}
+
 /// Runs a batch of claimed jobs (all of one enqueuer), each in its own subtransaction and
 /// memory context; the caller's transaction commits whatever this leaves in place. Every
 /// handler gets the whole handler timeout (the lease less its margin): before a handler starts
-/// with less lease than that left, the leases of the batch's remaining jobs are renewed in one
-/// statement, and those of `later`, the claim's jobs of other enqueuers still to run in
-/// transactions of their own, in a subtransaction whose failure costs this batch nothing.
-pub fn run_jobs(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Tally {
+/// with less lease than that left, the leases of the batch's remaining jobs (and, `Batched`, of
+/// its successes so far) are renewed in one statement, and those of `later`, the claim's jobs of
+/// other enqueuers still to run in transactions of their own, in a subtransaction whose failure
+/// costs this batch nothing.
+pub fn run_jobs(
+    jobs: &[(i64, Uuid)],
+    later: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+    completion: Completion,
+) -> Tally {
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = load_jobs(jobs, worker_id);
+        // Batched: the jobs whose handlers succeeded, with their lease expiry.
+        let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
             let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
                 tally.count(Counter::Stale);
                 continue;
             };
-            if expiry - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
-                let remaining: Vec<(i64, Uuid)> =
-                    jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
+            let soonest = succeeded.iter().map(|(_, expiry)| *expiry).fold(expiry, i64::min);
+            if soonest - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
+                let remaining: Vec<(i64, Uuid)> = succeeded
+                    .iter()
+                    .map(|(lease, _)| *lease)
+                    .chain(jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied())
+                    .collect();
                 let renewed: HashMap<i64, i64> =
                     lease::renew_leases(&remaining, worker_id, lease_seconds).into_iter().collect();
+                for ((id, _), expiry) in &mut succeeded {
+                    match renewed.get(id) {
+                        Some(renewed) => *expiry = *renewed,
+                        // Lost, or held by another session (a cancel under way): the batch's
+                        // successes cannot all commit as they are.
+                        None => fail_batch_for_a_lost_lease(),
+                    }
+                }
                 // A lease that could not be renewed was lost, or its row is held by another
                 // session: that job is not ours to run now; it is claimed again after its lease.
                 loaded.retain(|id, job| match renewed.get(id) {
@@ -159,36 +212,56 @@ pub fn run_jobs(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, le
             unsafe {
                 job_memory.switch_to(|_| {
                     match loaded.remove(job_id) {
-                        Some(job) => run_job(*job_id, *lease_token, worker_id, job, timeout_ms, &mut tally),
+                        Some(job) => {
+                            let expiry = job.lease_expires_unix_us;
+                            let lease = (*job_id, *lease_token);
+                            if run_job(lease, worker_id, job, timeout_ms, completion, &mut tally) {
+                                succeeded.push((lease, expiry));
+                            }
+                        }
                         None => tally.count(Counter::Stale),
                     }
                     clear_session_state();
                 })
             };
         }
+        if !succeeded.is_empty() {
+            let leases: Vec<(i64, Uuid)> = succeeded.iter().map(|(lease, _)| *lease).collect();
+            if lease::complete_jobs(&leases, worker_id) < leases.len() {
+                fail_batch_for_a_lost_lease();
+            }
+            (0..leases.len()).for_each(|_| tally.count(Counter::Succeeded));
+        }
         tally
     })
 }
 
+/// Runs one job's handler in its subtransaction. `PerJob`, completes it there; `Batched`,
+/// keeps the subtransaction if its lease is live by the clock and returns true: its completion
+/// is the caller's.
 fn run_job(
-    job_id: i64,
-    lease_token: Uuid,
+    (job_id, lease_token): (i64, Uuid),
     worker_id: &str,
     job: LoadedJob,
     timeout_ms: i64,
+    completion: Completion,
     tally: &mut Tally,
-) {
+) -> bool {
     let Some(handler) = job.handler else {
         // No handler, an enqueuer that no longer exists, or a handler it may not run.
         record_failure(job_id, lease_token, worker_id, FailureCode::TargetRejected, None, tally);
-        return;
+        return false;
     };
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
-        lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
+        match completion {
+            Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
+            Completion::PerJob => lease::complete_job(job_id, worker_id, lease_token) == "succeeded",
+        }
     });
     match outcome {
+        Ok(true) if completion == Completion::Batched => return true,
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
         Err(error) => {
@@ -207,6 +280,7 @@ fn run_job(
             record_failure(job_id, lease_token, worker_id, code, Some(&error.sqlstate), tally)
         }
     }
+    false
 }
 
 /// Calls the handler routine by its oid with the payload, as SPI would run `SELECT f($1)` or

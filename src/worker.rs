@@ -7,7 +7,7 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
-use crate::execution;
+use crate::execution::{self, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
@@ -336,12 +336,21 @@ fn in_worker_transaction<R>(
 /// larger batch is run again alone, so that the error stays with the job that caused it; a job
 /// whose own transaction fails is failed with that error's code.
 fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
-    let run = |jobs: &[(i64, Uuid)]| {
+    let run = |jobs: &[(i64, Uuid)], completion| {
         in_transaction(|| {
-            BackgroundWorker::transaction(|| execution::run_jobs(jobs, later, worker_id, lease_seconds))
+            BackgroundWorker::transaction(|| {
+                execution::run_jobs(jobs, later, worker_id, lease_seconds, completion)
+            })
         })
     };
-    let sqlstate = match run(jobs) {
+    // A batch completes its jobs in one statement; one that finds a lease lost there runs again
+    // with each job completed, fenced, right after its handler.
+    let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
+    let mut outcome = run(jobs, first);
+    if outcome.is_err() && execution::take_lease_lost_in_batch() {
+        outcome = run(jobs, Completion::PerJob);
+    }
+    let sqlstate = match outcome {
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,
     };
@@ -354,7 +363,7 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
         jobs.len()
     );
     for job in jobs {
-        match run(std::slice::from_ref(job)) {
+        match run(std::slice::from_ref(job), Completion::PerJob) {
             Ok(tally) => tally.publish(),
             Err(sqlstate) => fail_in_own_transaction(*job, &sqlstate, worker_id),
         }

@@ -1066,7 +1066,8 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
 fn a_large_batch_of_another_role_keeps_every_lease_until_it_runs() {
     // app_a's job binds the worker; then one claim takes 600 of app_b's jobs (one attempt each),
     // more than one hand-over to the role runner carries, and many times longer to run than a
-    // one-second lease.
+    // one-second lease. A batch completes its successes at its end, so their leases are renewed
+    // with the rest: broken on purpose, renewing only the jobs still to run let 512 of them lapse.
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
         "{WORKER_CONF}durable_jobs.claim_batch_size = 1000\ndurable_jobs.lease_duration = 1\n"
     ));

@@ -521,6 +521,86 @@ fn a_lease_lost_to_expiry_and_reclaim_mid_handler_rolls_the_handlers_writes_back
     assert_eq!(metric(&mut client, "succeeded"), 0);
 }
 
+/// A batch completes its jobs in one statement at its end: a job whose handler succeeded early
+/// in the batch, and whose lease then lapsed (ended here by an operator) and was reclaimed and
+/// completed elsewhere while a later job ran, commits none of its effects; the batch runs again
+/// job by job and its other jobs commit once. Broken on purpose: committing the batch although
+/// its completion matched fewer jobs than had succeeded kept the lapsed job's write (two effects
+/// for job 1).
+#[test]
+fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 60\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer, done_by text);
+             CREATE FUNCTION public.write_then_wait(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer, 'worker');
+                 IF (payload->>'wait')::boolean THEN
+                     PERFORM pg_advisory_xact_lock(4243);
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('write_then_wait', 'public.write_then_wait(jsonb)');",
+        )
+        .unwrap();
+    let mut blocker = cluster.connect();
+    blocker.execute("SELECT pg_advisory_lock(4243)", &[]).unwrap();
+    // One transaction, so that one claim takes the three, in job_id order.
+    let first: i64 = {
+        let mut txn = client.transaction().unwrap();
+        let first = txn
+            .query_one(
+                "SELECT min(durable_jobs.enqueue_durable_job('write_then_wait',
+                                jsonb_build_object('n', g, 'wait', g = 2)))
+                 FROM generate_series(1, 3) g",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        txn.commit().unwrap();
+        first
+    };
+    wait_until(Duration::from_secs(30), "job 2's handler waiting on the lock", || {
+        count(
+            &mut client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
+        ) == 1
+    });
+    // Job 1's handler has succeeded; its row is not written until the batch completes, so its
+    // lease can end under the batch, and an external worker take the job over and finish it.
+    client
+        .execute(
+            "UPDATE durable_jobs.durable_job SET lease_expires_at = clock_timestamp() WHERE job_id = $1",
+            &[&first],
+        )
+        .unwrap();
+    let reclaimed = harness::claim(&mut client, "external", 60).expect("the lapsed lease is reclaimed");
+    assert_eq!((reclaimed.job_id, reclaimed.attempt_count), (first, 2));
+    let mut txn = client.transaction().unwrap();
+    txn.execute("INSERT INTO public.effects VALUES (1, 'external')", &[]).unwrap();
+    assert_eq!(harness::complete(&mut txn, &reclaimed, "external"), "succeeded");
+    txn.commit().unwrap();
+    blocker.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the batch to finish", || jobs_in_state(&mut client, "succeeded") == 3);
+    assert_eq!(
+        harness::table_rows(&mut client, "public.effects", "n, done_by"),
+        ["(1,external)", "(2,worker)", "(3,worker)"],
+        "one effect per job: the lapsed job's write went with its lease"
+    );
+    let attempts: Vec<(i64, i32)> = client
+        .query("SELECT job_id - $1, attempt_count FROM durable_jobs.durable_job ORDER BY job_id", &[&first])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(attempts, [(0, 2), (1, 1), (2, 1)], "the lapsed job ran twice, the others once");
+    assert_eq!((metric(&mut client, "succeeded"), metric(&mut client, "stale")), (2, 1));
+}
+
 #[test]
 fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
     let cluster = Cluster::start(WORKER_CONF);
