@@ -8,7 +8,9 @@
 #   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain;
 #   WAITER_DRAIN_JOBS (60000): jobs per drain beside waiters (shorter drains weigh the fixed
 #   cost of the last wake-ups more than the drain's own speed);
-#   BENCH_ONLY=status: the status API figures only.
+#   BENCH_ONLY=status: the status API figures only; BENCH_ONLY=throughput: all but those.
+#   The peer, graphile-worker (pinned in bench/graphile), is installed there with npm on first
+#   use; its rows are skipped where node is missing.
 set -euo pipefail
 
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
@@ -289,6 +291,7 @@ target_row "enqueue-to-start p50 ms vs graphile-worker p50" "$p50" "${ref[graphi
 target_row "size after 100,000 jobs vs after 20,000" "${size[100000]}" "${size[20000]}" "<=2"
 fi
 
+[ "${BENCH_ONLY:-}" != throughput ] || exit 0
 echo
 row "status API" "figure" "ratio"
 psql_q -c "ALTER SYSTEM RESET durable_jobs.retention_period" -c "SELECT pg_reload_conf()" >/dev/null

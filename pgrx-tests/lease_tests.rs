@@ -328,14 +328,56 @@ fn the_claim_is_an_index_scan_in_claim_order() {
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
         let plan = Spi::explain_with_args(
-            crate::lease::CLAIM,
-            &[queues.into(), "w".into(), 60.0f64.into(), false.into(), 1i64.into(), kinds.into()],
+            &crate::lease::with_limit(crate::lease::CLAIM, 1),
+            &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into()],
         )
         .unwrap();
         let plan = format!("{:?}", plan.0);
         assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
         // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
         assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
+    }
+}
+
+/// The plan PostgreSQL keeps for the claim after five calls (the generic one, which knows no
+/// argument) takes the claimed rows by primary key, for one job and for a worker's batch.
+/// Broken on purpose: with the limit as a parameter, the generic plan hash-joined the whole job
+/// table (a sequential scan per call), so every call had to be planned anew.
+#[pg_test]
+fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
+    serialize_tests_that_analyze();
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
+    for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
+        for limit in [1, 50] {
+            Spi::run(&format!(
+                "PREPARE generic_claim(text[], text, float8, bool, text[]) AS {}",
+                crate::lease::with_limit(statement, limit)
+            ))
+            .unwrap();
+            let plan = Spi::get_one::<pgrx::Json>(
+                "EXPLAIN (FORMAT JSON) EXECUTE generic_claim(NULL, 'w', 60, false, NULL)",
+            )
+            .unwrap()
+            .unwrap()
+            .0
+            .to_string();
+            Spi::run("DEALLOCATE generic_claim").unwrap();
+            let job_table_scans = Spi::get_one_with_args::<String>(
+                r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
+                   FROM jsonb_path_query($1::jsonb, '$.** ? (@."Relation Name" == "durable_job")') AS n
+                   WHERE n ->> 'Node Type' <> 'ModifyTable'"#,
+                &[plan.clone().into()],
+            )
+            .unwrap()
+            .unwrap_or_default();
+            assert!(!job_table_scans.contains("Seq Scan"), "{name} {limit}: {job_table_scans}: {plan}");
+            assert!(job_table_scans.contains("durable_job_claim_order_idx"), "{name} {limit}: {plan}");
+        }
     }
 }
 
