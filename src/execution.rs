@@ -1,12 +1,13 @@
 //! Running a claimed batch's handlers inside the background worker.
 //!
 //! Each job runs in its own subtransaction, as the role that enqueued it, under a
-//! security-restricted operation and a statement timeout that ends before its lease does. On
-//! success the fenced completion runs in the same subtransaction, so the handler's writes commit
-//! exactly when the job is marked succeeded and are rolled back when the lease was lost. On
-//! error the subtransaction is rolled back and the job is failed, fenced, with the stable code
-//! of the error's SQLSTATE. Whatever a handler could leave in the session is cleared before the
-//! next job runs.
+//! security-restricted operation and a statement timeout that ends before its lease does. Its
+//! fenced completion commits in the same transaction as the handler's writes, so they commit
+//! exactly when the job is marked succeeded and are rolled back when the lease was lost: right
+//! after the handler in its subtransaction, or, early in a batch, together with the other jobs
+//! that succeeded (see `Completion`). On error the subtransaction is rolled back and the job is
+//! failed, fenced, with the stable code of the error's SQLSTATE. Whatever a handler could leave
+//! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
 use crate::lease;
@@ -116,10 +117,13 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
 /// How a batch marks its jobs succeeded.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Completion {
-    /// All the batch's successes in one fenced statement just before its commit. Each handler's
-    /// subtransaction is kept if its lease is live by the clock when it returns; should the
-    /// statement then find any of those leases lost, the whole transaction fails (see
-    /// `take_lease_lost_in_batch`) and the caller runs the batch again `PerJob`.
+    /// The successes in one fenced statement, as long as the claim's leases need no renewal:
+    /// each handler's subtransaction is kept if its lease is live by the clock when it returns,
+    /// and the jobs are completed together at the end, or when the first renewal is due, after
+    /// which the batch goes on `PerJob`. Should that statement find a lease lost (or its row
+    /// held by another session), the whole transaction fails (see `take_lease_lost_in_batch`)
+    /// and the caller runs the batch again `PerJob`; nothing renewed is lost with it, and the
+    /// claim's leases are then still live.
     Batched,
     /// Each job's success fenced in its own subtransaction, right after its handler.
     PerJob,
@@ -141,53 +145,47 @@ fn fail_batch_for_a_lost_lease() -> ! {
     ereport!(
         ERROR,
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
-        "a lease of the batch was lost before its commit; the batch runs again job by job"
+        "a lease of the batch was lost before its completion"
     );
 }
 
 /// Runs a batch of claimed jobs (all of one enqueuer), each in its own subtransaction and
 /// memory context; the caller's transaction commits whatever this leaves in place. Every
 /// handler gets the whole handler timeout (the lease less its margin): before a handler starts
-/// with less lease than that left, the leases of the batch's remaining jobs (and, `Batched`, of
-/// its successes so far) are renewed in one statement, and those of `later`, the claim's jobs of
-/// other enqueuers still to run in transactions of their own, in a subtransaction whose failure
-/// costs this batch nothing.
+/// with less lease than that left, the leases of the batch's remaining jobs are renewed in one
+/// statement (`Batched`, after completing the successes so far), and those of `later`, the
+/// claim's jobs of other enqueuers still to run in transactions of their own, in a
+/// subtransaction whose failure costs this batch nothing.
 pub fn run_jobs(
     jobs: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
-    completion: Completion,
+    mut completion: Completion,
 ) -> Tally {
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = load_jobs(jobs, worker_id);
-        // Batched: the jobs whose handlers succeeded, with their lease expiry.
+        // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
             let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
                 tally.count(Counter::Stale);
                 continue;
             };
-            let soonest = succeeded.iter().map(|(_, expiry)| *expiry).fold(expiry, i64::min);
-            if soonest - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000 {
-                let remaining: Vec<(i64, Uuid)> = succeeded
-                    .iter()
-                    .map(|(lease, _)| *lease)
-                    .chain(jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied())
-                    .collect();
+            let renewal_due = |soonest: i64| soonest - now_unix_us() < (timeout_ms + margin_ms / 2) * 1000;
+            if renewal_due(succeeded.iter().map(|(_, expiry)| *expiry).fold(expiry, i64::min)) {
+                // Renewed leases are never lost to a rerun: complete first, then go on PerJob.
+                if completion == Completion::Batched {
+                    complete_succeeded(&mut succeeded, worker_id, &mut tally);
+                    completion = Completion::PerJob;
+                }
+                let remaining: Vec<(i64, Uuid)> =
+                    jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
                 let renewed: HashMap<i64, i64> =
                     lease::renew_leases(&remaining, worker_id, lease_seconds).into_iter().collect();
-                for ((id, _), expiry) in &mut succeeded {
-                    match renewed.get(id) {
-                        Some(renewed) => *expiry = *renewed,
-                        // Lost, or held by another session (a cancel under way): the batch's
-                        // successes cannot all commit as they are.
-                        None => fail_batch_for_a_lost_lease(),
-                    }
-                }
                 // A lease that could not be renewed was lost, or its row is held by another
                 // session: that job is not ours to run now; it is claimed again after its lease.
                 loaded.retain(|id, job| match renewed.get(id) {
@@ -224,16 +222,31 @@ pub fn run_jobs(
                     clear_session_state();
                 })
             };
-        }
-        if !succeeded.is_empty() {
-            let leases: Vec<(i64, Uuid)> = succeeded.iter().map(|(lease, _)| *lease).collect();
-            if lease::complete_jobs(&leases, worker_id) < leases.len() {
-                fail_batch_for_a_lost_lease();
+            // A handler that took long: its predecessors' leases have the margin left at least
+            // (if it kept to its timeout); complete them at once, before anything else runs.
+            if completion == Completion::Batched
+                && succeeded.iter().map(|(_, expiry)| *expiry).min().is_some_and(renewal_due)
+            {
+                complete_succeeded(&mut succeeded, worker_id, &mut tally);
+                completion = Completion::PerJob;
             }
-            (0..leases.len()).for_each(|_| tally.count(Counter::Succeeded));
         }
+        complete_succeeded(&mut succeeded, worker_id, &mut tally);
         tally
     })
+}
+
+/// Completes the jobs whose handlers succeeded, in one fenced statement; a lease lost, or a row
+/// another session holds, fails the transaction for a rerun `PerJob`.
+fn complete_succeeded(succeeded: &mut Vec<((i64, Uuid), i64)>, worker_id: &str, tally: &mut Tally) {
+    if succeeded.is_empty() {
+        return;
+    }
+    let leases: Vec<(i64, Uuid)> = succeeded.drain(..).map(|(lease, _)| lease).collect();
+    if lease::complete_jobs(&leases, worker_id) < leases.len() {
+        fail_batch_for_a_lost_lease();
+    }
+    leases.iter().for_each(|_| tally.count(Counter::Succeeded));
 }
 
 /// Runs one job's handler in its subtransaction. `PerJob`, completes it there; `Batched`,

@@ -231,18 +231,24 @@ pub(crate) const RENEW_BATCH: &str = "
     RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
 
 // The successes of a batch ($1 job ids, $2 tokens) in one statement: what COMPLETE does, for
-// each job whose lease `lease_owner` $3 still holds, live. Only the background worker runs it.
+// each job whose lease `lease_owner` $3 still holds, live. A row another session holds is
+// skipped, not waited for: the worker then reruns the batch, where only that job waits. Only
+// the background worker runs it.
 pub(crate) const COMPLETE_BATCH: &str = concat!(
     "
+    WITH live AS (
+        SELECT x.job_id FROM durable_jobs.durable_job x
+        JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+             AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
+        WHERE x.lease_owner = $3
+          AND x.lease_expires_at > pg_catalog.clock_timestamp()
+        FOR UPDATE OF x SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
     new_state_version!(),
     release_lease!(),
     "
-    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-         AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token
-      AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    FROM live WHERE j.job_id = live.job_id
     RETURNING j.job_id, j.state_version"
 );
 

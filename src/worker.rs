@@ -348,6 +348,11 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
     let mut outcome = run(jobs, first);
     if outcome.is_err() && execution::take_lease_lost_in_batch() {
+        log!(
+            "{WORKER_TYPE}: a batch of {} jobs found a lease lost (or a job's row held by another session) \
+             when it completed its jobs; running it again with each job completed after its handler",
+            jobs.len()
+        );
         outcome = run(jobs, Completion::PerJob);
     }
     let sqlstate = match outcome {

@@ -874,6 +874,76 @@ fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
 }
 
 #[test]
+fn a_handler_cancelling_an_earlier_job_of_its_batch_costs_no_job_its_lease() {
+    // As above, and app_a's second slow job cancels the first, which succeeded just before it in
+    // the same batch: that job is done by then (the cancel finds nothing to cancel), and every
+    // job, app_b's too, succeeds on its first attempt. Failed before the fix (review of the
+    // batched completion): the first job's success waited for the end of the batch, the cancel
+    // made the batch rerun after its renewals were rolled back, and the claim's leases had
+    // lapsed by then: every job lost its attempt.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+    ));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION durable_jobs.cancel_durable_job(bigint) TO app_a;
+             CREATE TABLE public.effects (who name, cancelled boolean);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep(2.5);
+                 INSERT INTO public.effects
+                 VALUES (current_user, CASE WHEN payload ? 'cancel'
+                                            THEN durable_jobs.cancel_durable_job((payload->>'cancel')::bigint) END);
+             END $$;
+             CREATE FUNCTION public.quick(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user, NULL) $$;
+             SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('quick', 'public.quick(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    let first: i64 = app_a
+        .query_one("SELECT durable_jobs.enqueue_durable_job('slow', '{}', priority => 10)", &[])
+        .unwrap()
+        .get(0);
+    app_a
+        .execute(
+            "SELECT durable_jobs.enqueue_durable_job('slow', jsonb_build_object('cancel', $1::bigint), priority => 10)",
+            &[&first],
+        )
+        .unwrap_or_else(|e| panic!("{}", error_text(&e)));
+    app_b
+        .batch_execute(
+            "SELECT durable_jobs.enqueue_durable_job('quick', '{}', max_attempts => 1) FROM generate_series(1, 3)",
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(40), "the five jobs to finish", || finished(&mut admin) == 5);
+    let outcomes: Vec<(String, String, i32)> = admin
+        .query(
+            "SELECT enqueued_by::text, job_state, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    for (role, state, attempts) in outcomes {
+        assert_eq!((state.as_str(), attempts), ("succeeded", 1), "a job of {role}");
+    }
+    assert_eq!(
+        harness::table_rows(&mut admin, "public.effects", "who, cancelled"),
+        ["(app_a,f)", "(app_a,)", "(app_b,)", "(app_b,)", "(app_b,)"],
+        "one effect per job; the cancel found the first job done"
+    );
+}
+
+#[test]
 fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
     // One claim takes app_a's slow job and quick job, then app_b's job (one attempt only). While
     // the slow job runs, app_a holds the row of its quick job (a cancel left open), so the lease

@@ -533,43 +533,7 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
         "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 60\n"
     ));
     let mut client = cluster.connect();
-    client
-        .batch_execute(
-            "CREATE TABLE public.effects (n integer, done_by text);
-             CREATE FUNCTION public.write_then_wait(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
-             BEGIN
-                 INSERT INTO public.effects VALUES ((payload->>'n')::integer, 'worker');
-                 IF (payload->>'wait')::boolean THEN
-                     PERFORM pg_advisory_xact_lock(4243);
-                 END IF;
-             END $$;
-             SELECT durable_jobs.register_durable_job_handler('write_then_wait', 'public.write_then_wait(jsonb)');",
-        )
-        .unwrap();
-    let mut blocker = cluster.connect();
-    blocker.execute("SELECT pg_advisory_lock(4243)", &[]).unwrap();
-    // One transaction, so that one claim takes the three, in job_id order.
-    let first: i64 = {
-        let mut txn = client.transaction().unwrap();
-        let first = txn
-            .query_one(
-                "SELECT min(durable_jobs.enqueue_durable_job('write_then_wait',
-                                jsonb_build_object('n', g, 'wait', g = 2)))
-                 FROM generate_series(1, 3) g",
-                &[],
-            )
-            .unwrap()
-            .get(0);
-        txn.commit().unwrap();
-        first
-    };
-    wait_until(Duration::from_secs(30), "job 2's handler waiting on the lock", || {
-        count(
-            &mut client,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
-        ) == 1
-    });
+    let first = three_jobs_the_second_waiting(&mut client, &cluster);
     // Job 1's handler has succeeded; its row is not written until the batch completes, so its
     // lease can end under the batch, and an external worker take the job over and finish it.
     client
@@ -584,7 +548,7 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
     txn.execute("INSERT INTO public.effects VALUES (1, 'external')", &[]).unwrap();
     assert_eq!(harness::complete(&mut txn, &reclaimed, "external"), "succeeded");
     txn.commit().unwrap();
-    blocker.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
+    client.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the batch to finish", || jobs_in_state(&mut client, "succeeded") == 3);
     assert_eq!(
         harness::table_rows(&mut client, "public.effects", "n, done_by"),
@@ -599,6 +563,77 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
         .collect();
     assert_eq!(attempts, [(0, 2), (1, 1), (2, 1)], "the lapsed job ran twice, the others once");
     assert_eq!((metric(&mut client, "succeeded"), metric(&mut client, "stale")), (2, 1));
+}
+
+/// A job's row held by another session when its batch completes its jobs: the completion skips
+/// it instead of waiting, the batch runs again with each job completed after its handler, and
+/// only the held job waits for its lease to run again; the batch never fails as a whole.
+/// Failed before the fix (review of the batched completion): the completion waited for the row
+/// until its lock timeout, and the batch failed as a whole and ran one job per transaction.
+#[test]
+fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
+    ));
+    let mut client = cluster.connect();
+    let first = three_jobs_the_second_waiting(&mut client, &cluster);
+    // Job 1's handler has succeeded; its completion waits for the batch's.
+    let mut holder = cluster.connect();
+    let mut held = holder.transaction().unwrap();
+    held.execute("SELECT 1 FROM durable_jobs.durable_job WHERE job_id = $1 FOR UPDATE", &[&first]).unwrap();
+    client.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "jobs 2 and 3", || jobs_in_state(&mut client, "succeeded") == 2);
+    held.rollback().unwrap();
+    wait_until(Duration::from_secs(30), "job 1 after its lease", || jobs_in_state(&mut client, "succeeded") == 3);
+    assert_eq!(
+        harness::table_rows(&mut client, "public.effects", "n, done_by"),
+        ["(1,worker)", "(2,worker)", "(3,worker)"],
+        "one effect per job"
+    );
+    let log = cluster.server_log();
+    assert!(log.contains("running it again with each job completed after its handler"), "{log}");
+    assert!(!log.contains("failed as a whole"), "{log}");
+}
+
+/// Three jobs in one batch of the worker: the second's handler waits for advisory lock 4243,
+/// which `client` holds until the caller releases it; returns the first job's id once the
+/// second waits. Each handler writes (n, 'worker') to public.effects.
+fn three_jobs_the_second_waiting(client: &mut Client, cluster: &Cluster) -> i64 {
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer, done_by text);
+             CREATE FUNCTION public.write_then_wait(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer, 'worker');
+                 IF (payload->>'wait')::boolean THEN
+                     PERFORM pg_advisory_xact_lock(4243);
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('write_then_wait', 'public.write_then_wait(jsonb)');
+             SELECT pg_advisory_lock(4243);",
+        )
+        .unwrap();
+    // One transaction, so that one claim takes the three, in job_id order.
+    let mut txn = client.transaction().unwrap();
+    let first = txn
+        .query_one(
+            "SELECT min(durable_jobs.enqueue_durable_job('write_then_wait',
+                            jsonb_build_object('n', g, 'wait', g = 2)))
+             FROM generate_series(1, 3) g",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    txn.commit().unwrap();
+    let mut watcher = cluster.connect();
+    wait_until(Duration::from_secs(30), "job 2's handler waiting on the lock", || {
+        count(
+            &mut watcher,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
+        ) == 1
+    });
+    first
 }
 
 #[test]
