@@ -252,13 +252,19 @@ passed=0
 size_started=$SECONDS
 size_at() { psql_q -c "SELECT pg_total_relation_size('durable_jobs.durable_job')"; }
 declare -A size
+# Paced at 2,000 jobs/s (1,000 every half second) so that autovacuum (naptime 5 s) can keep
+# pace; each size is taken once an autovacuum of the table has run after the flow stopped.
+autovacuums() { psql_q -c "SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = 'durable_jobs.durable_job'::regclass"; }
 for target in 20000 100000; do
     while [ "$passed" -lt "$target" ]; do
+        round_started=$(date +%s.%N)
         psql_q -c "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('noop', array_fill('{\"n\": 1}'::jsonb, ARRAY[1000]))" >/dev/null
         passed=$(( passed + 1000 ))
         until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NULL")" = 0 ]; do sleep 0.05; done
+        sleep "$(python3 -c "import time; print(max(0.0, 0.5 - (time.time() - $round_started)))")"
     done
-    sleep 3
+    before=$(autovacuums)
+    for _ in $(seq 1 60); do [ "$(autovacuums)" -gt "$before" ] && break; sleep 0.5; done
     size[$target]=$(size_at)
     row "job table + indexes after $target jobs passed through, kB" "$(( size[$target] / 1024 ))" ""
 done

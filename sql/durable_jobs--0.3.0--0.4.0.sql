@@ -222,3 +222,12 @@ CREATE VIEW durable_jobs.durable_job_queue_controls AS
 WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
 SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at FROM q;
 REVOKE ALL ON durable_jobs.durable_job_handlers, durable_jobs.durable_job_queue_controls FROM PUBLIC;
+
+-- The payload-clearing trigger fires only when there is something to clear.
+DROP TRIGGER durable_job_clear_terminal_payload ON durable_jobs.durable_job;
+CREATE TRIGGER durable_job_clear_terminal_payload
+    BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
+    FOR EACH ROW
+    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled')
+          AND (NEW.payload IS NOT NULL OR NEW.finished_at IS NULL))
+    EXECUTE FUNCTION durable_jobs.clear_terminal_payload();

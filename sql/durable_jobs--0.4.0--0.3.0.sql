@@ -92,3 +92,10 @@ ALTER TABLE durable_jobs.durable_job
     DROP COLUMN state_version,
     DROP COLUMN last_failure_sqlstate,
     DROP COLUMN replay_count;
+
+DROP TRIGGER durable_job_clear_terminal_payload ON durable_jobs.durable_job;
+CREATE TRIGGER durable_job_clear_terminal_payload
+    BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
+    FOR EACH ROW
+    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled'))
+    EXECUTE FUNCTION durable_jobs.clear_terminal_payload();

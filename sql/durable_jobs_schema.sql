@@ -131,9 +131,12 @@ $body$;
 COMMENT ON FUNCTION durable_jobs.clear_terminal_payload() IS
     'Trigger: a job entering a terminal state loses its payload, whoever writes the row.';
 
+-- Only when there is something to do: the completions clear both themselves, which spares a
+-- PL/pgSQL call per completed job.
 CREATE TRIGGER durable_job_clear_terminal_payload
     BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
     FOR EACH ROW
-    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled'))
+    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled')
+          AND (NEW.payload IS NOT NULL OR NEW.finished_at IS NULL))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();
 

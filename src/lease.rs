@@ -152,7 +152,7 @@ macro_rules! complete_statement {
         concat!(
             "
             UPDATE durable_jobs.durable_job
-            SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
+            SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
             $status_columns,
             release_lease!(),
             "
@@ -244,7 +244,7 @@ pub(crate) const COMPLETE_BATCH: &str = concat!(
           AND x.lease_expires_at > pg_catalog.clock_timestamp()
         FOR UPDATE OF x SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
-    SET job_state = 'succeeded', finished_at = pg_catalog.clock_timestamp(), ",
+    SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
     new_state_version!(),
     release_lease!(),
     "

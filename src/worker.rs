@@ -11,6 +11,7 @@ use crate::execution::{self, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
+use crate::plans;
 use crate::privilege::{as_extension_owner_of, with_worker_settings};
 use crate::retention;
 use crate::runner;
@@ -422,19 +423,19 @@ fn prune_finished_jobs() {
 /// Whether this database has the extension at the version of this library; an older schema
 /// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
 fn extension_ready() -> bool {
-    // A read (Spi::get_one would give every idle poll's transaction an xid and a commit record).
-    Spi::connect(|client| {
-        client
-            .select(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
-                                WHERE extname = 'durable_jobs' AND extversion = $1)",
-                None,
-                &[env!("CARGO_PKG_VERSION").into()],
-            )?
-            .first()
-            .get_one::<bool>()
+    // A read (Spi::get_one would give every idle poll's transaction an xid and a commit record),
+    // with a kept plan: it runs once per poll.
+    Spi::connect_mut(|client| {
+        plans::read(
+            client,
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
+                            WHERE extname = 'durable_jobs' AND extversion = $1)",
+            &[env!("CARGO_PKG_VERSION").into()],
+        )
+        .first()
+        .get_one::<bool>()
+        .ok()
+        .flatten()
     })
-    .ok()
-    .flatten()
     .unwrap_or(false)
 }
