@@ -444,10 +444,18 @@ pub fn claim_jobs(
             };
             // A statement does not see its own claims when it checks a queue's concurrency
             // limit, so with limits in force a batch is claimed one job per statement.
-            if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
-                return claim(client, limit);
-            }
             let mut claimed = Vec::new();
+            if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+                claimed = claim(client, limit);
+                // A limit set between the check and the claim (the claim's snapshot is later):
+                // all but the first job go back, and the batch is claimed one by one.
+                if claimed.len() < 2 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+                    return claimed;
+                }
+                let extra: Vec<(i64, Uuid)> =
+                    claimed.drain(1..).map(|job| (job.job_id, job.lease_token)).collect();
+                release_unstarted(&extra, worker_id);
+            }
             while claimed.len() < limit as usize {
                 let one = claim(client, 1);
                 if one.is_empty() {
