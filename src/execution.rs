@@ -114,6 +114,20 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
     (i64::from(lease_seconds) * 100).clamp(100, 2000)
 }
 
+/// Sets how long the worker's next statement in a batch waits for a lock (a job's row another
+/// session holds: a concurrent claim for a moment, a cancel left open for longer), given the
+/// soonest expiry of the leases at stake: half of what is left of them beyond a reserve of a
+/// quarter of the margin, and a quarter of the margin at most. After a handler that used its
+/// whole timeout only half the margin is left; since each wait takes at most half of what is
+/// left, the completion, the failure and the renewals that follow, one after another, still
+/// renew those leases before they end.
+fn wait_for_job_rows_until(soonest_expiry_unix_us: i64, margin_ms: i64) {
+    let slack_ms = (soonest_expiry_unix_us - now_unix_us()) / 1000 - margin_ms / 4;
+    let wait_ms = (slack_ms / 2).clamp(1, margin_ms / 4);
+    let timeout = std::ffi::CString::new(format!("{wait_ms}ms")).expect("no NUL");
+    unsafe { set_at_this_level(c"lock_timeout", &timeout) };
+}
+
 /// How a batch marks its jobs succeeded.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Completion {
@@ -166,6 +180,7 @@ pub fn run_jobs(
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
+        wait_for_job_rows_until(i64::MAX, margin_ms);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = load_jobs(jobs, worker_id);
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
@@ -179,13 +194,16 @@ pub fn run_jobs(
             if renewal_due(succeeded.iter().map(|(_, expiry)| *expiry).fold(expiry, i64::min)) {
                 // Renewed leases are never lost to a rerun: complete first, then go on PerJob.
                 if completion == Completion::Batched {
-                    complete_succeeded(&mut succeeded, worker_id, &mut tally);
+                    complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
                     completion = Completion::PerJob;
                 }
                 let remaining: Vec<(i64, Uuid)> =
                     jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
-                let renewed: HashMap<i64, i64> =
-                    lease::renew_leases(&remaining, worker_id, lease_seconds).into_iter().collect();
+                // The claim's leases were taken, and are renewed, together: `expiry` is the
+                // soonest of them, `later`'s included.
+                let renew =
+                    |jobs: &[(i64, Uuid)]| renew_leases(jobs, worker_id, lease_seconds, expiry, margin_ms);
+                let renewed: HashMap<i64, i64> = renew(&remaining).into_iter().collect();
                 // A lease that could not be renewed was lost, or its row is held by another
                 // session: that job is not ours to run now; it is claimed again after its lease.
                 loaded.retain(|id, job| match renewed.get(id) {
@@ -199,7 +217,7 @@ pub fn run_jobs(
                     // Committed with this batch; a job whose row someone holds is renewed, or
                     // found lost, when its own batch runs.
                     let _ = in_subtransaction(|| {
-                        lease::renew_leases(later, worker_id, lease_seconds);
+                        renew(later);
                         true
                     });
                 }
@@ -209,72 +227,127 @@ pub fn run_jobs(
             // SAFETY: nothing allocated in the job's context is used after it.
             unsafe {
                 job_memory.switch_to(|_| {
+                    let lease = (*job_id, *lease_token);
                     match loaded.remove(job_id) {
+                        None => tally.count(Counter::Stale),
                         Some(job) => {
                             let expiry = job.lease_expires_unix_us;
-                            let lease = (*job_id, *lease_token);
-                            if run_job(lease, worker_id, job, timeout_ms, completion, &mut tally) {
+                            let timing = (timeout_ms, margin_ms);
+                            let outcome = run_job(lease, worker_id, job, timing, completion, &mut tally);
+                            if let Outcome::Pending = outcome {
                                 succeeded.push((lease, expiry));
                             }
+                            // A handler that took long: its predecessors' leases have half the
+                            // margin left at least (if it kept to its timeout); complete them at
+                            // once, before this job's failure or cleanup, which can take time.
+                            if completion == Completion::Batched
+                                && succeeded.iter().map(|(_, expiry)| *expiry).min().is_some_and(renewal_due)
+                            {
+                                complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
+                                completion = Completion::PerJob;
+                            }
+                            if let Outcome::Failed(code, sqlstate) = outcome {
+                                wait_for_job_rows_until(expiry, margin_ms);
+                                record_failure(lease, worker_id, code, sqlstate.as_deref(), &mut tally);
+                            }
                         }
-                        None => tally.count(Counter::Stale),
                     }
                     clear_session_state();
                 })
             };
-            // A handler that took long: its predecessors' leases have the margin left at least
-            // (if it kept to its timeout); complete them at once, before anything else runs.
-            if completion == Completion::Batched
-                && succeeded.iter().map(|(_, expiry)| *expiry).min().is_some_and(renewal_due)
-            {
-                complete_succeeded(&mut succeeded, worker_id, &mut tally);
-                completion = Completion::PerJob;
-            }
         }
-        complete_succeeded(&mut succeeded, worker_id, &mut tally);
+        complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
         tally
     })
 }
 
-/// Completes the jobs whose handlers succeeded, in one fenced statement; a lease lost, or a row
-/// another session holds, fails the transaction for a rerun `PerJob`.
-fn complete_succeeded(succeeded: &mut Vec<((i64, Uuid), i64)>, worker_id: &str, tally: &mut Tally) {
-    if succeeded.is_empty() {
-        return;
+/// Renews the leases of `jobs`, the soonest of which ends at `soonest_expiry_unix_us`: a row
+/// another session holds is waited for briefly (see `wait_for_job_rows_until`), then left to
+/// its lease. Any other error is raised again.
+fn renew_leases(
+    jobs: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+    soonest_expiry_unix_us: i64,
+    margin_ms: i64,
+) -> Vec<(i64, i64)> {
+    let mut renewed = Vec::new();
+    wait_for_job_rows_until(soonest_expiry_unix_us, margin_ms);
+    let waited = in_subtransaction(|| {
+        renewed = lease::renew_leases(jobs, worker_id, lease_seconds, false);
+        true
+    });
+    match waited {
+        Ok(_) => renewed,
+        // A lock timeout, or a deadlock with the session holding the row.
+        Err(error) if error.sqlstate == "55P03" || error.sqlstate == "40P01" => {
+            lease::renew_leases(jobs, worker_id, lease_seconds, true)
+        }
+        Err(error) => {
+            ereport!(ERROR, PgSqlErrorCode::from(error.packed_sqlstate), error.message);
+        }
     }
+}
+
+/// Completes the jobs whose handlers succeeded, in one fenced statement; a lease lost, or a row
+/// another session holds longer than the worker waits, fails the transaction for a rerun
+/// `PerJob`.
+fn complete_succeeded(
+    succeeded: &mut Vec<((i64, Uuid), i64)>,
+    worker_id: &str,
+    margin_ms: i64,
+    tally: &mut Tally,
+) {
+    let Some(soonest_expiry) = succeeded.iter().map(|(_, expiry)| *expiry).min() else {
+        return;
+    };
+    wait_for_job_rows_until(soonest_expiry, margin_ms);
     let leases: Vec<(i64, Uuid)> = succeeded.drain(..).map(|(lease, _)| lease).collect();
-    if lease::complete_jobs(&leases, worker_id) < leases.len() {
+    // A row held past the worker's wait for it (a lock timeout) counts as a lease lost.
+    let all_completed = in_subtransaction(|| lease::complete_jobs(&leases, worker_id) == leases.len());
+    if !matches!(all_completed, Ok(true)) {
         fail_batch_for_a_lost_lease();
     }
     leases.iter().for_each(|_| tally.count(Counter::Succeeded));
 }
 
+/// What became of a job once its handler returned.
+enum Outcome {
+    /// Completed (`PerJob`) or found stale, and counted.
+    Counted,
+    /// Succeeded, with its completion left to the batch (`Batched`).
+    Pending,
+    /// To be failed with this code and the SQLSTATE of the handler's error, if it ran.
+    Failed(FailureCode, Option<String>),
+}
+
 /// Runs one job's handler in its subtransaction. `PerJob`, completes it there; `Batched`,
-/// keeps the subtransaction if its lease is live by the clock and returns true: its completion
-/// is the caller's.
+/// keeps the subtransaction if its lease is live by the clock, for the caller to complete.
 fn run_job(
     (job_id, lease_token): (i64, Uuid),
     worker_id: &str,
     job: LoadedJob,
-    timeout_ms: i64,
+    (timeout_ms, margin_ms): (i64, i64),
     completion: Completion,
     tally: &mut Tally,
-) -> bool {
+) -> Outcome {
     let Some(handler) = job.handler else {
         // No handler, an enqueuer that no longer exists, or a handler it may not run.
-        record_failure(job_id, lease_token, worker_id, FailureCode::TargetRejected, None, tally);
-        return false;
+        return Outcome::Failed(FailureCode::TargetRejected, None);
     };
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
         match completion {
             Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
-            Completion::PerJob => lease::complete_job(job_id, worker_id, lease_token) == "succeeded",
+            Completion::PerJob => {
+                wait_for_job_rows_until(job.lease_expires_unix_us, margin_ms);
+                lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
+            }
         }
     });
     match outcome {
-        Ok(true) if completion == Completion::Batched => return true,
+        Ok(true) if completion == Completion::Batched => return Outcome::Pending,
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
         Err(error) => {
@@ -289,11 +362,10 @@ fn run_job(
                     error.message
                 );
             }
-            let code = FailureCode::from_sqlstate(&error.sqlstate);
-            record_failure(job_id, lease_token, worker_id, code, Some(&error.sqlstate), tally)
+            return Outcome::Failed(FailureCode::from_sqlstate(&error.sqlstate), Some(error.sqlstate));
         }
     }
-    false
+    Outcome::Counted
 }
 
 /// Calls the handler routine by its oid with the payload, as SPI would run `SELECT f($1)` or
@@ -338,8 +410,7 @@ fn call_handler(handler: Handler, payload: JsonbDatum) {
 /// timeout) is logged and leaves the job to its lease, which another claim takes over once it
 /// expires. The caller has the worker's settings in force.
 pub fn record_failure(
-    job_id: i64,
-    lease_token: Uuid,
+    (job_id, lease_token): (i64, Uuid),
     worker_id: &str,
     code: FailureCode,
     sqlstate: Option<&str>,
@@ -476,7 +547,8 @@ pub fn disarm_statement_timeout() {
 /// PostgreSQL runs maintenance commands on another role's table: the handler cannot `SET ROLE`,
 /// `SET SESSION AUTHORIZATION`, create temporary objects, declare `WITH HOLD` cursors, `LISTEN`,
 /// or defer a trigger to commit, so nothing it starts runs after it as anyone else. The GUC nest
-/// level undoes any setting the handler changed; search_path is pinned.
+/// level undoes any setting the handler changed; search_path is pinned, and lock_timeout is the
+/// session's again, not the worker's own.
 fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
     // The lease ends a margin after the statement timeout (at most 2 s); a second more, then stop.
     let watchdog_ms = (timeout_ms + 3000).min(i64::from(i32::MAX)) as i32;
@@ -487,6 +559,8 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
         let level = pg_sys::NewGUCNestLevel();
         set_at_this_level(c"search_path", HANDLER_SEARCH_PATH);
+        let session_lock_timeout = pg_sys::GetConfigOptionResetString(c"lock_timeout".as_ptr());
+        set_at_this_level(c"lock_timeout", std::ffi::CStr::from_ptr(session_lock_timeout));
         let restricted = pg_sys::SECURITY_LOCAL_USERID_CHANGE | pg_sys::SECURITY_RESTRICTED_OPERATION;
         pg_sys::SetUserIdAndSecContext(role, saved_context | restricted as i32);
         let watchdog = lease_watchdog();
@@ -504,6 +578,7 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
 /// An error caught in a job's subtransaction.
 pub struct CaughtFailure {
     pub sqlstate: String,
+    pub packed_sqlstate: i32,
     pub message: String,
 }
 
@@ -522,9 +597,11 @@ fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
         pg_sys::MemoryContextSwitchTo(memory_context);
         let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
             .catch_others(|error| {
+                let report = report_of(&error);
                 Err(CaughtFailure {
                     sqlstate: sqlstate_of(&error),
-                    message: report_of(&error).message().to_string(),
+                    packed_sqlstate: report.sql_error_code() as i32,
+                    message: report.message().to_string(),
                 })
             })
             .execute();

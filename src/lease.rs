@@ -212,43 +212,48 @@ pub(crate) const EXTEND: &str = concat!(
 
 // The background worker's renewal of the leases of a batch's jobs not yet run, so that each
 // handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
-// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix microseconds. A job whose row
-// another session holds (its enqueuer cancelling it, say) is skipped, never waited for: the
-// wait would end in the worker's lock timeout and fail the whole batch, other roles' jobs with
-// it. A skipped job is left to its lease.
-pub(crate) const RENEW_BATCH: &str = "
-    WITH live AS (
-        SELECT x.job_id FROM durable_jobs.durable_job x
-        JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-             AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-        WHERE x.lease_owner = $3
-          AND x.lease_expires_at > pg_catalog.clock_timestamp()
-        FOR UPDATE OF x SKIP LOCKED)
-    UPDATE durable_jobs.durable_job j
-    SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
-        updated_at = pg_catalog.clock_timestamp()
-    FROM live WHERE j.job_id = live.job_id
-    RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8";
+// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
+// microseconds. `$lock`: how a row another session holds is met: waited for (a claim of
+// another worker holds it for a moment), or, once that wait timed out, skipped, so that only
+// that job (its enqueuer cancelling it, say) is left to its lease.
+macro_rules! renew_statement {
+    ($lock:literal) => {
+        concat!(
+            "
+            WITH live AS (
+                SELECT x.job_id FROM durable_jobs.durable_job x
+                JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+                     AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
+                WHERE x.lease_owner = $3
+                  AND x.lease_expires_at > pg_catalog.clock_timestamp()
+                FOR UPDATE OF x",
+            $lock,
+            ")
+            UPDATE durable_jobs.durable_job j
+            SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+                updated_at = pg_catalog.clock_timestamp()
+            FROM live WHERE j.job_id = live.job_id
+            RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8"
+        )
+    };
+}
+pub(crate) const RENEW_BATCH: &str = renew_statement!("");
+pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(" SKIP LOCKED");
 
 // The successes of a batch ($1 job ids, $2 tokens) in one statement: what COMPLETE does, for
-// each job whose lease `lease_owner` $3 still holds, live. A row another session holds is
-// skipped, not waited for: the worker then reruns the batch, where only that job waits. Only
-// the background worker runs it.
+// each job whose lease `lease_owner` $3 still holds, live. Only the background worker runs it,
+// under its short wait for a job's row (see `set_job_row_lock_timeout` in execution.rs).
 pub(crate) const COMPLETE_BATCH: &str = concat!(
     "
-    WITH live AS (
-        SELECT x.job_id FROM durable_jobs.durable_job x
-        JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-             AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-        WHERE x.lease_owner = $3
-          AND x.lease_expires_at > pg_catalog.clock_timestamp()
-        FOR UPDATE OF x SKIP LOCKED)
     UPDATE durable_jobs.durable_job j
     SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
     new_state_version!(),
     release_lease!(),
     "
-    FROM live WHERE j.job_id = live.job_id
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         AS c(job_id, lease_token)
+    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.lease_owner = $3
+      AND j.lease_expires_at > pg_catalog.clock_timestamp()
     RETURNING j.job_id, j.state_version"
 );
 
@@ -280,15 +285,35 @@ pub(crate) const RELEASE_UNSTARTED: &str = concat!(
 );
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
-// enqueued it; members of that role (with its privileges) may cancel it too.
+// enqueued it; members of that role (with its privileges) may act on it too.
+macro_rules! caller_may_act_on_job {
+    () => {
+        crate::has_privileges_of_role!("$3", "$2", "j.enqueued_by")
+    };
+}
+
+// Locks a job that can be cancelled, if the caller may: a caller that may not act on a job never
+// locks (or waits for) its row, since a row someone holds makes the worker's batch wait, then
+// run again.
 const LOCK_FOR_CANCEL: &str = concat!(
     "
-    SELECT j.job_state, j.last_failure_code, ",
-    crate::has_privileges_of_role!("$3", "$2", "j.enqueued_by"),
+    SELECT j.job_state, j.last_failure_code
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1 AND j.job_state IN ('available', 'running') AND ",
+    caller_may_act_on_job!(),
+    "
+    FOR UPDATE OF j"
+);
+
+/// Why a job was not locked for a change: its state and whether the caller may act on it (no
+/// row: there is no such job). $1 the job, $2 the caller, $3 whether it is a superuser.
+const STATE_AND_PERMISSION: &str = concat!(
+    "
+    SELECT j.job_state, ",
+    caller_may_act_on_job!(),
     "
     FROM durable_jobs.durable_job j
-    WHERE j.job_id = $1
-    FOR UPDATE"
+    WHERE j.job_id = $1"
 );
 
 macro_rules! cancel_statement {
@@ -543,9 +568,16 @@ fn over_leases<T: FromDatum + IntoDatum>(
 }
 
 /// Renews the leases of `jobs` held by `worker_id`; returns (job_id, new expiry in Unix
-/// microseconds) for each lease that was still live.
-pub fn renew_leases(jobs: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) -> Vec<(i64, i64)> {
-    over_leases(RENEW_BATCH, jobs, worker_id, Some(f64::from(lease_seconds).into()))
+/// microseconds) for each lease that was still live. `skip_held`: rows another session holds
+/// are left out instead of waited for.
+pub fn renew_leases(
+    jobs: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+    skip_held: bool,
+) -> Vec<(i64, i64)> {
+    let statement = if skip_held { RENEW_BATCH_SKIPPING_HELD } else { RENEW_BATCH };
+    over_leases(statement, jobs, worker_id, Some(f64::from(lease_seconds).into()))
 }
 
 /// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns how many were.
@@ -684,30 +716,33 @@ fn extend_durable_job_lease(
 fn cancel_durable_job(job_id: Option<i64>) -> bool {
     let job_id = arguments::required(job_id, "job_id");
     let caller = caller();
+    let args = [job_id.into(), caller.role_oid.into(), caller.is_superuser.into()];
     as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| {
-            let found = plans::execute(
-                client,
-                LOCK_FOR_CANCEL,
-                &[job_id.into(), caller.role_oid.into(), caller.is_superuser.into()],
-            );
-            if found.is_empty() {
-                return false;
-            }
-            let row = found.first();
-            let state: Option<String> = row.get(1).expect("job_state");
-            let failure_code: Option<String> = row.get(2).expect("last_failure_code");
-            let allowed: Option<bool> = row.get(3).expect("permission");
-            if allowed != Some(true) {
-                ereport!(
-                    ERROR,
-                    PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                    "permission denied to cancel a job enqueued by another role"
-                );
-            }
-            if !matches!(state.as_deref(), Some("available" | "running")) {
-                return false;
-            }
+            let (state, failure_code) = loop {
+                let found = plans::execute(client, LOCK_FOR_CANCEL, &args);
+                if !found.is_empty() {
+                    let row = found.first();
+                    break (
+                        row.get::<String>(1).expect("job_state"),
+                        row.get::<String>(2).expect("failure code"),
+                    );
+                }
+                let Some((state, allowed)) = state_and_permission(client, &args) else {
+                    return false;
+                };
+                if !allowed {
+                    ereport!(
+                        ERROR,
+                        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                        "permission denied to cancel a job enqueued by another role"
+                    );
+                }
+                if !matches!(state.as_str(), "available" | "running") {
+                    return false;
+                }
+                // Replayed between the two reads: lock it now.
+            };
             let cancelled = if installed.has_status_api {
                 let args = [
                     job_id.into(),
@@ -726,4 +761,18 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             cancelled
         })
     })
+}
+
+/// A job's state and whether the caller may act on it ($1 the job, $2 the caller, $3 whether it
+/// is a superuser); None when there is no such job.
+pub(crate) fn state_and_permission(
+    client: &mut pgrx::spi::SpiClient,
+    args: &[DatumWithOid],
+) -> Option<(String, bool)> {
+    let found = plans::execute(client, STATE_AND_PERMISSION, args);
+    if found.is_empty() {
+        return None;
+    }
+    let row = found.first();
+    Some((row.get(1).unwrap().expect("job_state"), row.get(2).unwrap().expect("permission")))
 }

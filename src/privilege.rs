@@ -140,8 +140,8 @@ const WORKER_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
 
 /// Runs `f` with `search_path = pg_catalog, pg_temp`, as a function's `SET search_path` clause
 /// would, and the worker's lock timeout. The background worker calls our statements directly,
-/// not through their SQL functions, and its session settings are the handlers' (usually
-/// `"$user", public` and no lock timeout).
+/// not through their SQL functions, and its session settings (usually `"$user", public` and no
+/// lock timeout) are the handlers': `as_enqueuer` puts them back for each handler.
 pub fn with_worker_settings<R>(f: impl FnOnce() -> R) -> R {
     unsafe {
         let level = pg_sys::NewGUCNestLevel();

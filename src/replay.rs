@@ -4,6 +4,7 @@
 
 use crate::arguments;
 use crate::enqueue::{check_payload_size, require_intake_enabled};
+use crate::lease;
 use crate::plans;
 use crate::privilege::{as_extension_owner_of, caller};
 use crate::sql_types::{JobStatusRow, JsonbDatum};
@@ -13,19 +14,19 @@ use pgrx::prelude::*;
 /// Most attempts a job may have, as enqueue allows.
 const EXTRA_ATTEMPTS_LIMIT: i32 = 1000;
 
-// $2: the payload; $3: the caller is a superuser; $4: the caller. Locks the job, so that of two
+// $2: the payload; $3: the caller is a superuser; $4: the caller. Locks a job that can be
+// replayed, if the caller may (as cancel does, never another role's row), so that of two
 // concurrent replays the second sees the first one's result.
 const LOCK_FOR_REPLAY: &str = concat!(
     "
     SELECT j.job_state, j.last_failure_code, j.attempt_count,
            j.payload_sha256 IS NOT NULL,
-           j.payload_sha256 = pg_catalog.sha256(pg_catalog.convert_to($2::pg_catalog.text, 'UTF8')),
-           ",
+           j.payload_sha256 = pg_catalog.sha256(pg_catalog.convert_to($2::pg_catalog.text, 'UTF8'))
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1 AND j.job_state IN ('failed', 'cancelled') AND ",
     crate::has_privileges_of_role!("$3", "$4", "j.enqueued_by"),
     "
-    FROM durable_jobs.durable_job j
-    WHERE j.job_id = $1
-    FOR UPDATE"
+    FOR UPDATE OF j"
 );
 
 // $2: the payload; $3: extra attempts; $4: the caller; $5, $6: state and failure code before.
@@ -70,29 +71,33 @@ fn replay_durable_job(
     let row = as_extension_owner_of(|_| {
         Spi::connect_mut(|client| {
             let args = [job_id.into(), payload.into(), caller.is_superuser.into(), caller.role_oid.into()];
-            let found = plans::execute(client, LOCK_FOR_REPLAY, &args);
-            if found.is_empty() {
-                return None;
-            }
+            let found = loop {
+                let found = plans::execute(client, LOCK_FOR_REPLAY, &args);
+                if !found.is_empty() {
+                    break found;
+                }
+                let why = [job_id.into(), caller.role_oid.into(), caller.is_superuser.into()];
+                let (state, allowed) = lease::state_and_permission(client, &why)?;
+                if !allowed {
+                    refuse(
+                        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                        "permission denied to replay a job enqueued by another role",
+                    );
+                }
+                if !matches!(state.as_str(), "failed" | "cancelled") {
+                    refuse(
+                        PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                        &format!("only a failed or cancelled job can be replayed; this one is {state}"),
+                    );
+                }
+                // It failed between the two reads: lock it now.
+            };
             let job = found.first();
             let state: String = job.get(1).unwrap().expect("job_state");
             let failure_code: Option<String> = job.get(2).unwrap();
             let attempt_count: i32 = job.get(3).unwrap().expect("attempt_count");
             let has_fingerprint: bool = job.get(4).unwrap().expect("fingerprint known");
             let same_payload: Option<bool> = job.get(5).unwrap();
-            let allowed: bool = job.get(6).unwrap().expect("permission");
-            if !allowed {
-                refuse(
-                    PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                    "permission denied to replay a job enqueued by another role",
-                );
-            }
-            if !matches!(state.as_str(), "failed" | "cancelled") {
-                refuse(
-                    PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-                    &format!("only a failed or cancelled job can be replayed; this one is {state}"),
-                );
-            }
             if !has_fingerprint {
                 refuse(
                     PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,

@@ -291,7 +291,7 @@ fn run_batch_in_runner(
             batch[start + leases.len()..].iter().chain(later).copied().collect();
         let renew = |uncarried: &[(i64, Uuid)]| {
             in_worker_transaction("renewing leases", || {
-                lease::renew_leases(uncarried, worker_id, lease_seconds)
+                lease::renew_leases(uncarried, worker_id, lease_seconds, true)
             });
         };
         match runner::run_in_runner(number, role, leases, &following, lease_seconds, &mut renewal, renew) {
@@ -337,7 +337,7 @@ fn in_worker_transaction<R>(
 /// larger batch is run again alone, so that the error stays with the job that caused it; a job
 /// whose own transaction fails is failed with that error's code.
 fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
-    let run = |jobs: &[(i64, Uuid)], completion| {
+    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion| {
         in_transaction(|| {
             BackgroundWorker::transaction(|| {
                 execution::run_jobs(jobs, later, worker_id, lease_seconds, completion)
@@ -347,20 +347,30 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
-    let mut outcome = run(jobs, first);
+    let mut outcome = run(jobs, later, first);
     if outcome.is_err() && execution::take_lease_lost_in_batch() {
         log!(
             "{WORKER_TYPE}: a batch of {} jobs found a lease lost (or a job's row held by another session) \
              when it completed its jobs; running it again with each job completed after its handler",
             jobs.len()
         );
-        outcome = run(jobs, Completion::PerJob);
+        outcome = run(jobs, later, Completion::PerJob);
     }
+    // A transaction that failed took its renewals with it; the jobs still to run get theirs
+    // back, in a transaction of their own, before anything else runs.
+    let renew_after_rollback = |waiting: &[(i64, Uuid)]| {
+        if !waiting.is_empty() {
+            in_worker_transaction("renewing leases", || {
+                lease::renew_leases(waiting, worker_id, lease_seconds, true)
+            });
+        }
+    };
     let sqlstate = match outcome {
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,
     };
     if let [job] = jobs {
+        renew_after_rollback(later);
         return fail_in_own_transaction(*job, &sqlstate, worker_id);
     }
     log!(
@@ -368,22 +378,28 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
          running its jobs one by one",
         jobs.len()
     );
-    for job in jobs {
-        match run(std::slice::from_ref(job), Completion::PerJob) {
+    renew_after_rollback(&jobs.iter().chain(later).copied().collect::<Vec<_>>());
+    for (position, job) in jobs.iter().enumerate() {
+        // Renewed with `later` when due, so that the jobs after this one keep their leases.
+        let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
+        match run(std::slice::from_ref(job), &waiting, Completion::PerJob) {
             Ok(tally) => tally.publish(),
-            Err(sqlstate) => fail_in_own_transaction(*job, &sqlstate, worker_id),
+            Err(sqlstate) => {
+                renew_after_rollback(&waiting);
+                fail_in_own_transaction(*job, &sqlstate, worker_id);
+            }
         }
     }
 }
 
 /// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.
-fn fail_in_own_transaction((job_id, lease_token): (i64, Uuid), sqlstate: &str, worker_id: &str) {
+fn fail_in_own_transaction(job: (i64, Uuid), sqlstate: &str, worker_id: &str) {
     let recorded = in_transaction_or_logged("recording a failure", || {
         BackgroundWorker::transaction(|| {
             let mut tally = Tally::default();
             let code = FailureCode::from_sqlstate(sqlstate);
             with_worker_settings(|| {
-                execution::record_failure(job_id, lease_token, worker_id, code, Some(sqlstate), &mut tally)
+                execution::record_failure(job, worker_id, code, Some(sqlstate), &mut tally)
             });
             tally
         })

@@ -1024,6 +1024,109 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
 }
 
 #[test]
+fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothing() {
+    // One claim takes app_a's first job (0.15 s), its slow job (cut by its statement timeout)
+    // and its third job, then app_b's two jobs (the second with one attempt only). While the
+    // slow job runs, app_a holds the rows of the slow and the third job, and app_b the row of
+    // its first (cancels left open). The slow handler starts just above the renewal threshold,
+    // so it ends with about half the margin (200 ms) left on every lease of the claim. Then,
+    // one after another: the first job's success is completed, the slow job's failure waits for
+    // its held row, the renewal of app_a's jobs waits for the third job's, and the renewal of
+    // app_b's for its first; app_b's second lease must still be live when it is renewed.
+    // Failed before the fix (second review of the batched completion; the test then had only
+    // the slow job's row held and app_b's one job), on the code that waited 1 s for a row: the
+    // first and third jobs ran again on a second attempt and app_b's job failed
+    // (`lease_expired`). Broken on purpose after it: with each wait a fixed quarter of the
+    // margin (100 ms) instead of at most half of what the leases have left, app_b's second job
+    // ended `failed/lease_expired` in 4 runs of 4.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+    ));
+    let mut admin = cluster.connect();
+    admin.batch_execute(APP_ROLES).unwrap();
+    admin
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION durable_jobs.cancel_durable_job(bigint) TO app_a, app_b;
+             CREATE TABLE public.effects (who name, what text);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES (current_user, payload->>'what');
+                 PERFORM pg_sleep((payload->>'seconds')::float8);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    let slow: i64 = app_a
+        .query_one(
+            r#"SELECT max(durable_jobs.enqueue_durable_job('work', jsonb_build_object('seconds', s, 'what', w), priority => 10))
+               FROM (VALUES (0.15, 'first'), (60, 'slow')) v(s, w)"#,
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let third: i64 = app_a
+        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "third"}', priority => 9)"#, &[])
+        .unwrap()
+        .get(0);
+    let held_by_b: i64 = app_b
+        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "held"}')"#, &[])
+        .unwrap()
+        .get(0);
+    app_b
+        .batch_execute(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "b"}', max_attempts => 1)"#)
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "the slow handler to sleep", || {
+        count(&mut admin, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
+    });
+    assert_eq!(
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1"),
+        5,
+        "one claim took the five jobs"
+    );
+    let mut holding = app_a.transaction().unwrap();
+    for job in [slow, third] {
+        assert!(holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job]).unwrap().get::<_, bool>(0));
+    }
+    let mut holding_b = app_b.transaction().unwrap();
+    assert!(holding_b.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held_by_b]).unwrap().get::<_, bool>(0));
+    wait_until(Duration::from_secs(30), "the first job and app_b's second to finish", || finished(&mut admin) == 2);
+    holding.commit().unwrap();
+    holding_b.commit().unwrap();
+    let states: Vec<(String, String, i32)> = admin
+        .query(
+            "SELECT enqueued_by::text, job_state || coalesce('/' || last_failure_code, ''), attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let expected = [
+        ("app_a", "succeeded", 1),
+        ("app_a", "cancelled", 1),
+        ("app_a", "cancelled", 1),
+        ("app_b", "cancelled", 1),
+        ("app_b", "succeeded", 1),
+    ];
+    assert_eq!(
+        states.iter().map(|(r, s, a)| (r.as_str(), s.as_str(), *a)).collect::<Vec<_>>(),
+        expected,
+        "{}",
+        cluster.server_log()
+    );
+    assert_eq!(
+        harness::table_rows(&mut admin, "public.effects", "what"),
+        ["(app_b,b)", "(app_a,first)"],
+        "one effect per job that succeeded, none of the cancelled ones"
+    );
+}
+
+#[test]
 fn what_one_roles_handler_compiles_never_decides_what_another_roles_handler_runs() {
     // PL/pgSQL compiles a function once per session, resolving its declared types with the
     // search_path of the first caller ("$user" first). app_a runs a shared function first, with

@@ -565,11 +565,13 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
     assert_eq!((metric(&mut client, "succeeded"), metric(&mut client, "stale")), (2, 1));
 }
 
-/// A job's row held by another session when its batch completes its jobs: the completion skips
-/// it instead of waiting, the batch runs again with each job completed after its handler, and
-/// only the held job waits for its lease to run again; the batch never fails as a whole.
-/// Failed before the fix (review of the batched completion): the completion waited for the row
-/// until its lock timeout, and the batch failed as a whole and ran one job per transaction.
+/// A job's row held by another session when its batch completes its jobs: the completion waits
+/// for it a moment only (a quarter of the lease's margin), the batch runs again with each job
+/// completed after its handler (the held job's completion and failure time out the same way,
+/// its write rolled back), and only the held job waits for its lease to run again; the batch
+/// never fails as a whole. Failed before the fix (review of the batched completion): the
+/// completion waited for the row until its lock timeout, and the batch failed as a whole and
+/// ran one job per transaction.
 #[test]
 fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() {
     let cluster = Cluster::start(&format!(
@@ -590,9 +592,52 @@ fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() 
         ["(1,worker)", "(2,worker)", "(3,worker)"],
         "one effect per job"
     );
+    let attempts: Vec<(i64, i32)> = client
+        .query("SELECT job_id - $1, attempt_count FROM durable_jobs.durable_job ORDER BY job_id", &[&first])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(attempts, [(0, 2), (1, 1), (2, 1)], "only the held job ran again");
+    assert_eq!((metric(&mut client, "succeeded"), metric(&mut client, "stale")), (3, 0));
     let log = cluster.server_log();
+    assert!(log.contains(&format!("could not record the failure of job {first} (SQLSTATE 55P03)")), "{log}");
     assert!(log.contains("running it again with each job completed after its handler"), "{log}");
     assert!(!log.contains("failed as a whole"), "{log}");
+}
+
+/// A handler waits for a lock as long as the session's lock_timeout lets it (none here), not
+/// the worker's own 1 s, which is for the worker's statements only. Failed before the fix
+/// (second review of the batched completion): the handler's lock wait ended after 1 s with
+/// 55P03 and the job was retried as `target_unavailable`.
+#[test]
+fn a_handler_waits_for_a_lock_under_the_sessions_lock_timeout_not_the_workers() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.wait_for_lock(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_advisory_xact_lock(4244);
+                 INSERT INTO public.effects VALUES (1);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('wait_for_lock', 'public.wait_for_lock(jsonb)');
+             SELECT pg_advisory_lock(4244);",
+        )
+        .unwrap();
+    let job_id: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('wait_for_lock', '{}')", &[]).unwrap().get(0);
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'";
+    wait_until(Duration::from_secs(20), "the handler to wait for the lock", || count(&mut client, waiting) == 1);
+    // The pause is the point: longer than the worker's lock timeout.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(count(&mut client, waiting), 1, "the handler still waits: {}", cluster.server_log());
+    client.execute("SELECT pg_advisory_unlock(4244)", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "the job to succeed", || jobs_in_state(&mut client, "succeeded") == 1);
+    let (_, code, attempts) = job_outcome(&mut client, &format!("job_id = {job_id}"));
+    assert_eq!((code, attempts), (None, 1), "one attempt, no failure on the way");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1);
 }
 
 /// Three jobs in one batch of the worker: the second's handler waits for advisory lock 4243,
