@@ -179,33 +179,38 @@ fn complete_is_fenced_on_owner_token_and_expiry() {
 }
 
 /// The background worker's completion of a batch matches only the exact live leases, column by
-/// column, as the SQL API's completion does.
+/// column, as the SQL API's completion does, whether it waits for a held row or skips it.
 /// Broken on purpose: dropping the token from COMPLETE_BATCH's fence completed the job for a
 /// stale token (1 row, not 0).
 #[pg_test]
 fn the_workers_batch_completion_is_fenced_on_owner_token_and_expiry() {
-    use crate::lease::complete_jobs;
-    let job_id = enqueue("k", "{}");
-    let (_, token) = claim("w").unwrap();
-    let other_token = one::<pgrx::Uuid>("SELECT gen_random_uuid()");
-    let before = jobs_fingerprint();
-    for (id, owner, lease_token) in [(job_id, "someone-else", token), (job_id, "w", other_token), (job_id + 1000, "w", token)] {
-        assert_eq!(complete_jobs(&[(id, lease_token)], owner), 0, "{id} {owner} {lease_token}");
+    for skip_held in [false, true] {
+        let complete_jobs = |leases: &[(i64, pgrx::Uuid)], owner: &str| {
+            crate::lease::complete_jobs(leases, owner, skip_held).len()
+        };
+        let job_id = enqueue("k", "{}");
+        let (claimed, token) = claim("w").unwrap();
+        assert_eq!(claimed, job_id);
+        let other_token = one::<pgrx::Uuid>("SELECT gen_random_uuid()");
+        let before = jobs_fingerprint();
+        for (id, owner, lease_token) in [(job_id, "someone-else", token), (job_id, "w", other_token), (job_id + 1000, "w", token)] {
+            assert_eq!(complete_jobs(&[(id, lease_token)], owner), 0, "{id} {owner} {lease_token} {skip_held}");
+        }
+        assert_eq!(jobs_fingerprint(), before, "stale calls change nothing");
+        expire_lease(job_id);
+        let expired = jobs_fingerprint();
+        assert_eq!(complete_jobs(&[(job_id, token)], "w"), 0);
+        assert_eq!(jobs_fingerprint(), expired);
+        // Of two live leases, the one given exactly (the expired job out of the way of the claims).
+        assert!(one::<bool>(&format!("SELECT durable_jobs.cancel_durable_job({job_id})")));
+        let (first, second) = (enqueue("k", "{}"), enqueue("k", "{}"));
+        let (claimed_first, first_token) = claim("w").unwrap();
+        let (claimed_second, second_token) = claim("w").unwrap();
+        assert_eq!((claimed_first, claimed_second), (first, second));
+        assert_eq!(complete_jobs(&[(first, first_token), (second, other_token)], "w"), 1);
+        assert_eq!((job_state(first), job_state(second)), ("succeeded".to_string(), "running".to_string()));
+        assert_eq!(complete_jobs(&[(second, second_token)], "w"), 1);
     }
-    assert_eq!(jobs_fingerprint(), before, "stale calls change nothing");
-    expire_lease(job_id);
-    let expired = jobs_fingerprint();
-    assert_eq!(complete_jobs(&[(job_id, token)], "w"), 0);
-    assert_eq!(jobs_fingerprint(), expired);
-    // Of two live leases, the one given exactly (the expired job out of the way of the claims).
-    assert!(one::<bool>(&format!("SELECT durable_jobs.cancel_durable_job({job_id})")));
-    let (first, second) = (enqueue("k", "{}"), enqueue("k", "{}"));
-    let (claimed_first, first_token) = claim("w").unwrap();
-    let (claimed_second, second_token) = claim("w").unwrap();
-    assert_eq!((claimed_first, claimed_second), (first, second));
-    assert_eq!(complete_jobs(&[(first, first_token), (second, other_token)], "w"), 1);
-    assert_eq!((job_state(first), job_state(second)), ("succeeded".to_string(), "running".to_string()));
-    assert_eq!(complete_jobs(&[(second, second_token)], "w"), 1);
 }
 
 #[pg_test]
@@ -448,6 +453,7 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         ("held", crate::lease::HELD_LEASES, many()),
         ("release", crate::lease::RELEASE_UNSTARTED, many()),
         ("complete batch", crate::lease::COMPLETE_BATCH, many()),
+        ("complete batch skipping held", crate::lease::COMPLETE_BATCH_SKIPPING_HELD, many()),
         ("load", crate::execution::LOAD_JOBS, many()),
     ];
     for (name, statement, args) in statements {

@@ -117,13 +117,13 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
 /// Sets how long the worker's next statement in a batch waits for a lock (a job's row another
 /// session holds: a concurrent claim for a moment, a cancel left open for longer), given the
 /// soonest expiry of the leases at stake: half of what is left of them beyond a reserve of a
-/// quarter of the margin, and a quarter of the margin at most. After a handler that used its
-/// whole timeout only half the margin is left; since each wait takes at most half of what is
-/// left, the completion, the failure and the renewals that follow, one after another, still
-/// renew those leases before they end.
+/// quarter of the margin, and 1 s at most. After a handler that used its whole timeout only half
+/// the margin is left; since each wait takes at most half of what is left, the waits that follow
+/// one another (the completion, the failure, one per held row in the renewals) still leave those
+/// leases live when they are renewed.
 fn wait_for_job_rows_until(soonest_expiry_unix_us: i64, margin_ms: i64) {
     let slack_ms = (soonest_expiry_unix_us - now_unix_us()) / 1000 - margin_ms / 4;
-    let wait_ms = (slack_ms / 2).clamp(1, margin_ms / 4);
+    let wait_ms = (slack_ms / 2).clamp(1, 1000);
     let timeout = std::ffi::CString::new(format!("{wait_ms}ms")).expect("no NUL");
     unsafe { set_at_this_level(c"lock_timeout", &timeout) };
 }
@@ -261,9 +261,10 @@ pub fn run_jobs(
     })
 }
 
-/// Renews the leases of `jobs`, the soonest of which ends at `soonest_expiry_unix_us`: a row
-/// another session holds is waited for briefly (see `wait_for_job_rows_until`), then left to
-/// its lease. Any other error is raised again.
+/// Renews the leases of `jobs`, the soonest of which ends at `soonest_expiry_unix_us`: those
+/// whose rows no one else holds at once, then each held row alone, waited for briefly (see
+/// `wait_for_job_rows_until`) and otherwise left to its lease. Any error but a lock timeout or
+/// a deadlock is raised again.
 fn renew_leases(
     jobs: &[(i64, Uuid)],
     worker_id: &str,
@@ -271,22 +272,29 @@ fn renew_leases(
     soonest_expiry_unix_us: i64,
     margin_ms: i64,
 ) -> Vec<(i64, i64)> {
-    let mut renewed = Vec::new();
-    wait_for_job_rows_until(soonest_expiry_unix_us, margin_ms);
-    let waited = in_subtransaction(|| {
-        renewed = lease::renew_leases(jobs, worker_id, lease_seconds, false);
-        true
-    });
-    match waited {
-        Ok(_) => renewed,
-        // A lock timeout, or a deadlock with the session holding the row.
-        Err(error) if error.sqlstate == "55P03" || error.sqlstate == "40P01" => {
-            lease::renew_leases(jobs, worker_id, lease_seconds, true)
-        }
-        Err(error) => {
-            ereport!(ERROR, PgSqlErrorCode::from(error.packed_sqlstate), error.message);
+    let mut renewed = lease::renew_leases(jobs, worker_id, lease_seconds, true);
+    for job in not_among(jobs, &renewed.iter().map(|(id, _)| *id).collect::<Vec<_>>()) {
+        wait_for_job_rows_until(soonest_expiry_unix_us, margin_ms);
+        let mut renewed_now = Vec::new();
+        let waited = in_subtransaction(|| {
+            renewed_now = lease::renew_leases(&[job], worker_id, lease_seconds, false);
+            true
+        });
+        match waited {
+            Ok(_) => renewed.extend(renewed_now),
+            // Still held: a lock timeout, or a deadlock with the session holding the row.
+            Err(error) if error.sqlstate == "55P03" || error.sqlstate == "40P01" => {}
+            Err(error) => {
+                ereport!(ERROR, PgSqlErrorCode::from(error.packed_sqlstate), error.message);
+            }
         }
     }
+    renewed
+}
+
+/// The leases of `jobs` whose ids are not in `ids`.
+fn not_among(jobs: &[(i64, Uuid)], ids: &[i64]) -> Vec<(i64, Uuid)> {
+    jobs.iter().filter(|(id, _)| !ids.contains(id)).copied().collect()
 }
 
 /// Completes the jobs whose handlers succeeded, in one fenced statement; a lease lost, or a row
@@ -301,12 +309,18 @@ fn complete_succeeded(
     let Some(soonest_expiry) = succeeded.iter().map(|(_, expiry)| *expiry).min() else {
         return;
     };
-    wait_for_job_rows_until(soonest_expiry, margin_ms);
     let leases: Vec<(i64, Uuid)> = succeeded.drain(..).map(|(lease, _)| lease).collect();
-    // A row held past the worker's wait for it (a lock timeout) counts as a lease lost.
-    let all_completed = in_subtransaction(|| lease::complete_jobs(&leases, worker_id) == leases.len());
-    if !matches!(all_completed, Ok(true)) {
-        fail_batch_for_a_lost_lease();
+    // Those whose rows no one else holds at once, then each held row alone; a row held past the
+    // worker's wait for it (a lock timeout) counts as a lease lost.
+    let completed = lease::complete_jobs(&leases, worker_id, true);
+    for job in not_among(&leases, &completed) {
+        wait_for_job_rows_until(soonest_expiry, margin_ms);
+        if !matches!(
+            in_subtransaction(|| lease::complete_jobs(&[job], worker_id, false).len() == 1),
+            Ok(true)
+        ) {
+            fail_batch_for_a_lost_lease();
+        }
     }
     leases.iter().for_each(|_| tally.count(Counter::Succeeded));
 }

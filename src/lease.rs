@@ -241,21 +241,35 @@ pub(crate) const RENEW_BATCH: &str = renew_statement!("");
 pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(" SKIP LOCKED");
 
 // The successes of a batch ($1 job ids, $2 tokens) in one statement: what COMPLETE does, for
-// each job whose lease `lease_owner` $3 still holds, live. Only the background worker runs it,
-// under its short wait for a job's row (see `set_job_row_lock_timeout` in execution.rs).
-pub(crate) const COMPLETE_BATCH: &str = concat!(
-    "
-    UPDATE durable_jobs.durable_job j
-    SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
-    new_state_version!(),
-    release_lease!(),
-    "
-    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-         AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.lease_owner = $3
-      AND j.lease_expires_at > pg_catalog.clock_timestamp()
-    RETURNING j.job_id, j.state_version"
-);
+// each job whose lease `lease_owner` $3 still holds, live. Only the background worker runs it:
+// first skipping rows another session holds, then for each of those alone, under its short wait
+// for a job's row (see `wait_for_job_rows_until` in execution.rs). `$lock` as in
+// `renew_statement`.
+macro_rules! complete_batch_statement {
+    ($lock:literal) => {
+        concat!(
+            "
+            WITH live AS (
+                SELECT x.job_id FROM durable_jobs.durable_job x
+                JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+                     AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
+                WHERE x.lease_owner = $3
+                  AND x.lease_expires_at > pg_catalog.clock_timestamp()
+                FOR UPDATE OF x",
+            $lock,
+            ")
+            UPDATE durable_jobs.durable_job j
+            SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
+            new_state_version!(),
+            release_lease!(),
+            "
+            FROM live WHERE j.job_id = live.job_id
+            RETURNING j.job_id, j.state_version"
+        )
+    };
+}
+pub(crate) const COMPLETE_BATCH: &str = complete_batch_statement!("");
+pub(crate) const COMPLETE_BATCH_SKIPPING_HELD: &str = complete_batch_statement!(" SKIP LOCKED");
 
 // Which of the leases ($1 job ids, $2 tokens) `lease_owner` $3 still holds, in the order given:
 // what a role runner takes over from the worker that claimed them.
@@ -580,11 +594,14 @@ pub fn renew_leases(
     over_leases(statement, jobs, worker_id, Some(f64::from(lease_seconds).into()))
 }
 
-/// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns how many were.
-pub fn complete_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> usize {
-    let completed = over_leases::<i64>(COMPLETE_BATCH, jobs, worker_id, None);
-    waiters::wake_waiters_at_commit(completed.iter().map(|(id, _)| *id), Change::Terminal);
-    completed.len()
+/// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns the ids of those
+/// that were. `skip_held`: rows another session holds are left out instead of waited for.
+pub fn complete_jobs(jobs: &[(i64, Uuid)], worker_id: &str, skip_held: bool) -> Vec<i64> {
+    let statement = if skip_held { COMPLETE_BATCH_SKIPPING_HELD } else { COMPLETE_BATCH };
+    let completed: Vec<i64> =
+        over_leases::<i64>(statement, jobs, worker_id, None).into_iter().map(|(id, _)| id).collect();
+    waiters::wake_waiters_at_commit(completed.iter().copied(), Change::Terminal);
+    completed
 }
 
 /// The leases among `leases` that `worker_id` still holds, live, in their order.

@@ -1025,22 +1025,23 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
 
 #[test]
 fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothing() {
-    // One claim takes app_a's first job (0.15 s), its slow job (cut by its statement timeout)
-    // and its third job, then app_b's two jobs (the second with one attempt only). While the
-    // slow job runs, app_a holds the rows of the slow and the third job, and app_b the row of
-    // its first (cancels left open). The slow handler starts just above the renewal threshold,
-    // so it ends with about half the margin (200 ms) left on every lease of the claim. Then,
-    // one after another: the first job's success is completed, the slow job's failure waits for
-    // its held row, the renewal of app_a's jobs waits for the third job's, and the renewal of
-    // app_b's for its first; app_b's second lease must still be live when it is renewed.
-    // Failed before the fix (second review of the batched completion; the test then had only
-    // the slow job's row held and app_b's one job), on the code that waited 1 s for a row: the
-    // first and third jobs ran again on a second attempt and app_b's job failed
+    // One claim (10 s leases, a margin of 1 s) takes app_a's first job (0.35 s), its slow job
+    // (waiting for an advisory lock until its statement timeout cuts it), its third and fourth
+    // jobs, then app_b's two jobs (the second with one attempt only). While the slow job waits,
+    // app_a holds the rows of the slow, third and fourth job, and app_b the row of its first
+    // (cancels left open). The slow handler starts just above the renewal threshold (half the margin), so it
+    // ends with 500 to 650 ms left on every lease of the claim. Then, one after another: the
+    // first job's success is completed, the slow job's failure waits for its held row, the
+    // renewal of app_a's jobs for the third job's and the fourth's, one after the other; then
+    // app_b's second lease must still be live when it is renewed.
+    // Failed before the fix (second review of the batched completion; the test then had 4 s
+    // leases, only the slow job's row held and app_b's one job), on the code that waited 1 s for
+    // a row: the first and third jobs ran again on a second attempt and app_b's job failed
     // (`lease_expired`). Broken on purpose after it: with each wait a fixed quarter of the
-    // margin (100 ms) instead of at most half of what the leases have left, app_b's second job
-    // ended `failed/lease_expired` in 4 runs of 4.
+    // margin (250 ms) instead of at most half of what the leases have left, app_b's second job
+    // ended `failed/lease_expired` in 3 runs of 3.
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
     ));
     let mut admin = cluster.connect();
     admin.batch_execute(APP_ROLES).unwrap();
@@ -1052,26 +1053,35 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
              CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN
                  INSERT INTO public.effects VALUES (current_user, payload->>'what');
+                 IF payload ? 'wait_for_lock' THEN
+                     PERFORM pg_advisory_xact_lock(4245);
+                 END IF;
                  PERFORM pg_sleep((payload->>'seconds')::float8);
              END $$;
              SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
-             SELECT durable_jobs.pause_durable_job_queue('default');",
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT pg_advisory_lock(4245);",
         )
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     let slow: i64 = app_a
         .query_one(
-            r#"SELECT max(durable_jobs.enqueue_durable_job('work', jsonb_build_object('seconds', s, 'what', w), priority => 10))
-               FROM (VALUES (0.15, 'first'), (60, 'slow')) v(s, w)"#,
+            r#"SELECT max(durable_jobs.enqueue_durable_job('work', p, priority => 10))
+               FROM (VALUES ('{"seconds": 0.35, "what": "first"}'::jsonb),
+                            ('{"seconds": 0, "what": "slow", "wait_for_lock": true}')) v(p)"#,
             &[],
         )
         .unwrap()
         .get(0);
-    let third: i64 = app_a
-        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "third"}', priority => 9)"#, &[])
-        .unwrap()
-        .get(0);
+    let (third, fourth): (i64, i64) = app_a
+        .query_one(
+            r#"SELECT min(j), max(j) FROM (VALUES ('third'), ('fourth')) v(w),
+                   LATERAL durable_jobs.enqueue_durable_job('work', jsonb_build_object('seconds', 0, 'what', w), priority => 9) j"#,
+            &[],
+        )
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
     let held_by_b: i64 = app_b
         .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "held"}')"#, &[])
         .unwrap()
@@ -1080,16 +1090,21 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
         .batch_execute(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "b"}', max_attempts => 1)"#)
         .unwrap();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    wait_until(Duration::from_secs(20), "the slow handler to sleep", || {
-        count(&mut admin, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
+    wait_until(Duration::from_secs(20), "the slow handler to wait for its lock", || {
+        count(&mut admin, "SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'durable_jobs%' AND wait_event = 'advisory'") == 1
     });
     assert_eq!(
         count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1"),
-        5,
-        "one claim took the five jobs"
+        6,
+        "one claim took the six jobs"
     );
+    // Had the leases been renewed before the slow job (the first job and the worker's overhead
+    // taking more than half the margin), the worker would hold these rows: fail, don't hang.
+    for client in [&mut app_a, &mut app_b] {
+        client.batch_execute("SET lock_timeout = '2s'").unwrap();
+    }
     let mut holding = app_a.transaction().unwrap();
-    for job in [slow, third] {
+    for job in [slow, third, fourth] {
         assert!(holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job]).unwrap().get::<_, bool>(0));
     }
     let mut holding_b = app_b.transaction().unwrap();
@@ -1110,6 +1125,7 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
         ("app_a", "succeeded", 1),
         ("app_a", "cancelled", 1),
         ("app_a", "cancelled", 1),
+        ("app_a", "cancelled", 1),
         ("app_b", "cancelled", 1),
         ("app_b", "succeeded", 1),
     ];
@@ -1124,6 +1140,8 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
         ["(app_b,b)", "(app_a,first)"],
         "one effect per job that succeeded, none of the cancelled ones"
     );
+    let log = cluster.server_log();
+    assert!(log.contains(&format!("could not record the failure of job {slow} (SQLSTATE 55P03)")), "{log}");
 }
 
 #[test]
