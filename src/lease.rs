@@ -210,13 +210,12 @@ pub(crate) const EXTEND: &str = concat!(
     RETURNING lease_expires_at"
 );
 
-// The background worker's renewal of the leases of a batch's jobs not yet run, so that each
-// handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
-// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
-// microseconds. `$lock`: how a row another session holds is met: waited for (a claim of
-// another worker holds it for a moment), or, once that wait timed out, skipped, so that only
-// that job (its enqueuer cancelling it, say) is left to its lease.
-macro_rules! renew_statement {
+// The leases ($1 job ids, $2 tokens) that `lease_owner` $3 still holds, live, locked for the
+// background worker's statement that follows (`WITH live AS (...) UPDATE ... FROM live`).
+// `$lock`: how a row another session holds is met: waited for (a claim of another worker holds
+// it for a moment), or skipped, so that only that job (its enqueuer cancelling it, say) is left
+// to its lease.
+macro_rules! live_leases_locked {
     ($lock:literal) => {
         concat!(
             "
@@ -228,7 +227,20 @@ macro_rules! renew_statement {
                   AND x.lease_expires_at > pg_catalog.clock_timestamp()
                 FOR UPDATE OF x",
             $lock,
-            ")
+            ")"
+        )
+    };
+}
+
+// The background worker's renewal of the leases of a batch's jobs not yet run, so that each
+// handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
+// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
+// microseconds.
+macro_rules! renew_statement {
+    ($lock:literal) => {
+        concat!(
+            live_leases_locked!($lock),
+            "
             UPDATE durable_jobs.durable_job j
             SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
                 updated_at = pg_catalog.clock_timestamp()
@@ -240,24 +252,14 @@ macro_rules! renew_statement {
 pub(crate) const RENEW_BATCH: &str = renew_statement!("");
 pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(" SKIP LOCKED");
 
-// The successes of a batch ($1 job ids, $2 tokens) in one statement: what COMPLETE does, for
-// each job whose lease `lease_owner` $3 still holds, live. Only the background worker runs it:
-// first skipping rows another session holds, then for each of those alone, under its short wait
-// for a job's row (see `wait_for_job_rows_until` in execution.rs). `$lock` as in
-// `renew_statement`.
+// The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
+// runs it skipping held rows first, then for each held row alone, under its short wait for it
+// (see `wait_for_job_rows_until` in execution.rs).
 macro_rules! complete_batch_statement {
     ($lock:literal) => {
         concat!(
+            live_leases_locked!($lock),
             "
-            WITH live AS (
-                SELECT x.job_id FROM durable_jobs.durable_job x
-                JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-                     AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-                WHERE x.lease_owner = $3
-                  AND x.lease_expires_at > pg_catalog.clock_timestamp()
-                FOR UPDATE OF x",
-            $lock,
-            ")
             UPDATE durable_jobs.durable_job j
             SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
             new_state_version!(),
