@@ -114,18 +114,44 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
     (i64::from(lease_seconds) * 100).clamp(100, 2000)
 }
 
-/// Sets how long the worker's next statement in a batch waits for a lock (a job's row another
-/// session holds: a concurrent claim for a moment, a cancel left open for longer), given the
-/// soonest expiry of the leases at stake: half of what is left of them beyond a reserve of a
-/// quarter of the margin, and 1 s at most. After a handler that used its whole timeout only half
-/// the margin is left; since each wait takes at most half of what is left, the waits that follow
-/// one another (the completion, the failure, one per held row in the renewals) still leave those
-/// leases live when they are renewed.
-fn wait_for_job_rows_until(soonest_expiry_unix_us: i64, margin_ms: i64) {
-    let slack_ms = (soonest_expiry_unix_us - now_unix_us()) / 1000 - margin_ms / 4;
-    let wait_ms = (slack_ms / 2).clamp(1, 1000);
-    let timeout = std::ffi::CString::new(format!("{wait_ms}ms")).expect("no NUL");
-    unsafe { set_at_this_level(c"lock_timeout", &timeout) };
+/// The worker's waits for job rows that other sessions hold (a concurrent claim for a moment, a
+/// cancel left open for longer) in one step of a batch: a renewal, a completion, a failure.
+/// Each wait lasts at most a quarter of what the leases at stake have left beyond a reserve of a
+/// quarter of the margin (one row can take two waits: its tuple lock, then its holder's
+/// transaction), and the whole step 1 s. After a handler that used its whole timeout only half
+/// the margin is left; the waits that follow one another (a completion, a failure, one per held
+/// row in the renewals) then still leave those leases live when they are renewed.
+struct RowWaits {
+    soonest_expiry_unix_us: i64,
+    margin_ms: i64,
+    step_ends_unix_us: i64,
+}
+
+impl RowWaits {
+    fn new(soonest_expiry_unix_us: i64, margin_ms: i64) -> RowWaits {
+        RowWaits { soonest_expiry_unix_us, margin_ms, step_ends_unix_us: now_unix_us() + 1_000_000 }
+    }
+
+    /// Sets lock_timeout for the next statement (never 0, which would wait for ever).
+    fn arm(&self) {
+        let now = now_unix_us();
+        let slack_ms = self.soonest_expiry_unix_us.saturating_sub(now) / 1000 - self.margin_ms / 4;
+        let step_left_ms = (self.step_ends_unix_us - now) / 1000;
+        let wait_ms = (slack_ms / 4).min(step_left_ms).clamp(1, 1000);
+        let timeout = std::ffi::CString::new(format!("{wait_ms}ms")).expect("no NUL");
+        unsafe { set_at_this_level(c"lock_timeout", &timeout) };
+    }
+}
+
+/// Whether a caught error is a wait for a lock given up: a lock timeout, or a deadlock with the
+/// session holding the row.
+fn gave_up_waiting(error: &CaughtFailure) -> bool {
+    error.sqlstate == "55P03" || error.sqlstate == "40P01"
+}
+
+/// Raises a caught error again, with its SQLSTATE and message.
+fn raise_again(error: CaughtFailure) -> ! {
+    ereport!(ERROR, PgSqlErrorCode::from(error.packed_sqlstate), error.message);
 }
 
 /// How a batch marks its jobs succeeded.
@@ -180,7 +206,7 @@ pub fn run_jobs(
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
-        wait_for_job_rows_until(i64::MAX, margin_ms);
+        RowWaits::new(i64::MAX, margin_ms).arm();
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = load_jobs(jobs, worker_id);
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
@@ -201,9 +227,42 @@ pub fn run_jobs(
                     jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
                 // The claim's leases were taken, and are renewed, together: `expiry` is the
                 // soonest of them, `later`'s included.
-                let renew =
-                    |jobs: &[(i64, Uuid)]| renew_leases(jobs, worker_id, lease_seconds, expiry, margin_ms);
-                let renewed: HashMap<i64, i64> = renew(&remaining).into_iter().collect();
+                let waits = RowWaits::new(expiry, margin_ms);
+                let (renewed, mut waited) = renew_leases(&remaining, worker_id, lease_seconds, &waits);
+                let mut renewed_later = Vec::new();
+                if !later.is_empty() {
+                    // Committed with this batch; a job whose row someone holds is renewed, or
+                    // found lost, when its own batch runs.
+                    let outcome = in_subtransaction(|| {
+                        let (renewed, waited_here) = renew_leases(later, worker_id, lease_seconds, &waits);
+                        renewed_later = renewed;
+                        waited |= waited_here;
+                        true
+                    });
+                    if outcome.is_err() {
+                        renewed_later.clear();
+                    }
+                }
+                let mut renewed: HashMap<i64, i64> = renewed.into_iter().collect();
+                if waited {
+                    // The waits came out of the leases just renewed: renew them once more, at
+                    // once (their rows are this transaction's now), for a whole lease each.
+                    let ours = |jobs: &[(i64, Uuid)], ids: &[i64]| -> Vec<(i64, Uuid)> {
+                        jobs.iter().filter(|(id, _)| ids.contains(id)).copied().collect()
+                    };
+                    let renewed_ids: Vec<i64> = renewed.keys().copied().collect();
+                    renewed.extend(lease::renew_leases(
+                        &ours(&remaining, &renewed_ids),
+                        worker_id,
+                        lease_seconds,
+                        true,
+                    ));
+                    let later_ids: Vec<i64> = renewed_later.iter().map(|(id, _)| *id).collect();
+                    let _ = in_subtransaction(|| {
+                        lease::renew_leases(&ours(later, &later_ids), worker_id, lease_seconds, true);
+                        true
+                    });
+                }
                 // A lease that could not be renewed was lost, or its row is held by another
                 // session: that job is not ours to run now; it is claimed again after its lease.
                 loaded.retain(|id, job| match renewed.get(id) {
@@ -213,14 +272,6 @@ pub fn run_jobs(
                     }
                     None => !remaining.iter().any(|(r, _)| r == id),
                 });
-                if !later.is_empty() {
-                    // Committed with this batch; a job whose row someone holds is renewed, or
-                    // found lost, when its own batch runs.
-                    let _ = in_subtransaction(|| {
-                        renew(later);
-                        true
-                    });
-                }
             }
             // Whatever the handler allocates (its result, the call's caches) goes with its job.
             let mut job_memory = PgMemoryContexts::new("durable_jobs job");
@@ -247,7 +298,7 @@ pub fn run_jobs(
                                 completion = Completion::PerJob;
                             }
                             if let Outcome::Failed(code, sqlstate) = outcome {
-                                wait_for_job_rows_until(expiry, margin_ms);
+                                RowWaits::new(expiry, margin_ms).arm();
                                 record_failure(lease, worker_id, code, sqlstate.as_deref(), &mut tally);
                             }
                         }
@@ -261,35 +312,41 @@ pub fn run_jobs(
     })
 }
 
-/// Renews the leases of `jobs`, the soonest of which ends at `soonest_expiry_unix_us`: those
-/// whose rows no one else holds at once, then each held row alone, waited for briefly (see
-/// `wait_for_job_rows_until`) and otherwise left to its lease. Any error but a lock timeout or
-/// a deadlock is raised again.
+/// Renews the leases of `jobs`: those whose rows no one else holds at once, then each held row
+/// alone, waited for as `waits` allows and otherwise left to its lease. Returns the renewed
+/// leases with their new expiry, and whether any row was waited for. Any error but giving up a
+/// wait is raised again.
 fn renew_leases(
     jobs: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
-    soonest_expiry_unix_us: i64,
-    margin_ms: i64,
-) -> Vec<(i64, i64)> {
-    let mut renewed = lease::renew_leases(jobs, worker_id, lease_seconds, true);
-    for job in not_among(jobs, &renewed.iter().map(|(id, _)| *id).collect::<Vec<_>>()) {
-        wait_for_job_rows_until(soonest_expiry_unix_us, margin_ms);
+    waits: &RowWaits,
+) -> (Vec<(i64, i64)>, bool) {
+    let mut renewed = Vec::new();
+    waits.arm();
+    match in_subtransaction(|| {
+        renewed = lease::renew_leases(jobs, worker_id, lease_seconds, true);
+        true
+    }) {
+        Ok(_) => {}
+        // A wait for the table itself given up: the rows are tried one by one below.
+        Err(error) if gave_up_waiting(&error) => renewed.clear(),
+        Err(error) => raise_again(error),
+    }
+    let left_over = not_among(jobs, &renewed.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+    for job in &left_over {
+        waits.arm();
         let mut renewed_now = Vec::new();
-        let waited = in_subtransaction(|| {
-            renewed_now = lease::renew_leases(&[job], worker_id, lease_seconds, false);
+        match in_subtransaction(|| {
+            renewed_now = lease::renew_leases(&[*job], worker_id, lease_seconds, false);
             true
-        });
-        match waited {
+        }) {
             Ok(_) => renewed.extend(renewed_now),
-            // Still held: a lock timeout, or a deadlock with the session holding the row.
-            Err(error) if error.sqlstate == "55P03" || error.sqlstate == "40P01" => {}
-            Err(error) => {
-                ereport!(ERROR, PgSqlErrorCode::from(error.packed_sqlstate), error.message);
-            }
+            Err(error) if gave_up_waiting(&error) => {}
+            Err(error) => raise_again(error),
         }
     }
-    renewed
+    (renewed, !left_over.is_empty())
 }
 
 /// The leases of `jobs` whose ids are not in `ids`.
@@ -310,11 +367,21 @@ fn complete_succeeded(
         return;
     };
     let leases: Vec<(i64, Uuid)> = succeeded.drain(..).map(|(lease, _)| lease).collect();
-    // Those whose rows no one else holds at once, then each held row alone; a row held past the
-    // worker's wait for it (a lock timeout) counts as a lease lost.
-    let completed = lease::complete_jobs(&leases, worker_id, true);
+    // Those whose rows no one else holds at once, then each held row alone; any error, or a row
+    // held past the worker's wait for it, counts as a lease lost.
+    let waits = RowWaits::new(soonest_expiry, margin_ms);
+    waits.arm();
+    let mut completed = Vec::new();
+    if in_subtransaction(|| {
+        completed = lease::complete_jobs(&leases, worker_id, true);
+        true
+    })
+    .is_err()
+    {
+        fail_batch_for_a_lost_lease();
+    }
     for job in not_among(&leases, &completed) {
-        wait_for_job_rows_until(soonest_expiry, margin_ms);
+        waits.arm();
         if !matches!(
             in_subtransaction(|| lease::complete_jobs(&[job], worker_id, false).len() == 1),
             Ok(true)
@@ -355,7 +422,7 @@ fn run_job(
         match completion {
             Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
             Completion::PerJob => {
-                wait_for_job_rows_until(job.lease_expires_unix_us, margin_ms);
+                RowWaits::new(job.lease_expires_unix_us, margin_ms).arm();
                 lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
             }
         }

@@ -211,7 +211,8 @@ pub(crate) const EXTEND: &str = concat!(
 );
 
 // The leases ($1 job ids, $2 tokens) that `lease_owner` $3 still holds, live, locked for the
-// background worker's statement that follows (`WITH live AS (...) UPDATE ... FROM live`).
+// background worker's statement that follows (`WITH live AS (...) UPDATE ... FROM live`), as
+// that UPDATE would lock them (a foreign key's check of a job does not count as holding it).
 // `$lock`: how a row another session holds is met: waited for (a claim of another worker holds
 // it for a moment), or skipped, so that only that job (its enqueuer cancelling it, say) is left
 // to its lease.
@@ -225,7 +226,7 @@ macro_rules! live_leases_locked {
                      AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
                 WHERE x.lease_owner = $3
                   AND x.lease_expires_at > pg_catalog.clock_timestamp()
-                FOR UPDATE OF x",
+                FOR NO KEY UPDATE OF x",
             $lock,
             ")"
         )
@@ -254,7 +255,7 @@ pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(" SKIP LOCKE
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
 // runs it skipping held rows first, then for each held row alone, under its short wait for it
-// (see `wait_for_job_rows_until` in execution.rs).
+// (see `RowWaits` in execution.rs).
 macro_rules! complete_batch_statement {
     ($lock:literal) => {
         concat!(

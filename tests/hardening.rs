@@ -1025,12 +1025,12 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
 
 #[test]
 fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothing() {
-    // One claim (10 s leases, a margin of 1 s) takes app_a's first job (0.35 s), its slow job
+    // One claim (20 s leases, a margin of 2 s) takes app_a's first job (0.7 s), its slow job
     // (waiting for an advisory lock until its statement timeout cuts it), its third and fourth
     // jobs, then app_b's two jobs (the second with one attempt only). While the slow job waits,
     // app_a holds the rows of the slow, third and fourth job, and app_b the row of its first
     // (cancels left open). The slow handler starts just above the renewal threshold (half the margin), so it
-    // ends with 500 to 650 ms left on every lease of the claim. Then, one after another: the
+    // ends with 1 to 1.3 s left on every lease of the claim. Then, one after another: the
     // first job's success is completed, the slow job's failure waits for its held row, the
     // renewal of app_a's jobs for the third job's and the fourth's, one after the other; then
     // app_b's second lease must still be live when it is renewed.
@@ -1038,10 +1038,10 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     // leases, only the slow job's row held and app_b's one job), on the code that waited 1 s for
     // a row: the first and third jobs ran again on a second attempt and app_b's job failed
     // (`lease_expired`). Broken on purpose after it: with each wait a fixed quarter of the
-    // margin (250 ms) instead of at most half of what the leases have left, app_b's second job
-    // ended `failed/lease_expired` in 3 runs of 3.
+    // margin (500 ms) instead of at most a quarter of what the leases have left, app_b's second
+    // job ended `failed/lease_expired` in 3 runs of 3.
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 20\n"
     ));
     let mut admin = cluster.connect();
     admin.batch_execute(APP_ROLES).unwrap();
@@ -1068,7 +1068,7 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     let slow: i64 = app_a
         .query_one(
             r#"SELECT max(durable_jobs.enqueue_durable_job('work', p, priority => 10))
-               FROM (VALUES ('{"seconds": 0.35, "what": "first"}'::jsonb),
+               FROM (VALUES ('{"seconds": 0.7, "what": "first"}'::jsonb),
                             ('{"seconds": 0, "what": "slow", "wait_for_lock": true}')) v(p)"#,
             &[],
         )
