@@ -1145,6 +1145,75 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
 }
 
 #[test]
+fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
+    // One claim (10 s leases, a margin of 1 s) takes app_a's first job (1.5 s, after which the
+    // leases need renewing) and its second (waiting for an advisory lock until its statement
+    // timeout cuts it, one attempt only), then app_b's job, whose row app_b holds (a cancel left
+    // open). The renewal renews the second job's lease at once, then waits 1 s for app_b's row;
+    // the second job must still get a whole lease, so that its failure, recorded when its
+    // statement timeout cuts it, lands inside it. Broken on purpose (no second renewal after
+    // the wait): the failure came after the lease's end, and the job ended
+    // `failed/lease_expired` instead of `failed/target_unavailable`, in 3 runs of 3.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
+    ));
+    admin
+        .batch_execute(
+            "GRANT EXECUTE ON FUNCTION durable_jobs.cancel_durable_job(bigint) TO app_b;
+             CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF payload ? 'wait_for_lock' THEN
+                     PERFORM pg_advisory_xact_lock(4246);
+                 END IF;
+                 PERFORM pg_sleep((payload->>'seconds')::float8);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT pg_advisory_lock(4246);",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    app_a
+        .batch_execute(
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 1.5}', priority => 10);
+               SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "wait_for_lock": true}',
+                                                       priority => 9, max_attempts => 1);"#,
+        )
+        .unwrap();
+    let held: i64 = app_b
+        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0}')"#, &[])
+        .unwrap()
+        .get(0);
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "the claim of the three jobs", || {
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'") == 3
+    });
+    // Before the first job's 1.5 s are over, so that the renewal meets the held row.
+    app_b.batch_execute("SET lock_timeout = '2s'").unwrap();
+    let mut holding = app_b.transaction().unwrap();
+    assert!(holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap().get::<_, bool>(0));
+    wait_until(Duration::from_secs(30), "app_a's two jobs to finish", || finished(&mut admin) == 2);
+    holding.commit().unwrap();
+    let states: Vec<(String, String, i32)> = admin
+        .query(
+            "SELECT enqueued_by::text, job_state || coalesce('/' || last_failure_code, ''), attempt_count
+             FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    assert_eq!(
+        states.iter().map(|(r, s, a)| (r.as_str(), s.as_str(), *a)).collect::<Vec<_>>(),
+        [("app_a", "succeeded", 1), ("app_a", "failed/target_unavailable", 1), ("app_b", "cancelled", 1)],
+        "{}",
+        cluster.server_log()
+    );
+}
+
+#[test]
 fn what_one_roles_handler_compiles_never_decides_what_another_roles_handler_runs() {
     // PL/pgSQL compiles a function once per session, resolving its declared types with the
     // search_path of the first caller ("$user" first). app_a runs a shared function first, with
