@@ -319,7 +319,7 @@ fn cancel_is_recorded_in_the_audit_table() {
     assert_eq!(audit, format!("{job_id}|cancel|postgres|available|t|t"), "one row: the second cancel changed nothing");
 }
 
-/// Index entries a listing statement reads, and whether every scan in its plan is an index scan,
+/// Index entries a listing statement reads, and whether its plan reads the table by index only,
 /// from EXPLAIN (ANALYZE, BUFFERS) of the statement list_durable_jobs runs for a caller that sees
 /// every job (`roles` None: the enqueuing roles of the table) or only `roles`.
 fn listing_cost(
@@ -362,13 +362,14 @@ fn listing_cost(
             .0
             .to_string()
     });
-    // Live index entries read: rows the index scans returned plus rows their filters removed
+    // Live index entries read: rows the index scans returned plus rows their filters removed, and
+    // the entries a bitmap index scan (the planner's pick for a range it knows to be tiny) found
     // (dead entries left by other tests' rolled-back jobs are vacuum's business, not the plan's).
     Spi::get_two_with_args::<i64, bool>(
         r#"SELECT (SELECT COALESCE(sum((n ->> 'Actual Rows')::bigint + COALESCE((n ->> 'Rows Removed by Filter')::bigint, 0)), 0)
-                   FROM jsonb_path_query(p, 'strict $.** ? (@."Node Type" == "Index Scan")') AS n)::bigint,
-                  NOT jsonb_path_exists(p, '$.** ? (@."Node Type" == "Seq Scan" || @."Node Type" == "Sort"
-                                                     || @."Node Type" == "Bitmap Heap Scan")')
+                   FROM jsonb_path_query(p, 'strict $.** ? (@."Node Type" == "Index Scan"
+                                                            || @."Node Type" == "Bitmap Index Scan")') AS n)::bigint,
+                  NOT jsonb_path_exists(p, '$.** ? (@."Node Type" == "Seq Scan")')
            FROM (SELECT $1::jsonb AS p) plan"#,
         &[plan.into()],
     )
@@ -380,7 +381,10 @@ fn listing_cost(
 fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states() {
     serialize_tests_that_analyze();
     // 200,000 succeeded jobs of two roles in two queues, a few failed ones among them, some
-    // waiting, and three jobs of a third role.
+    // waiting, and three jobs of a third role. ANALYZE reads every row, so that the plans do
+    // not vary from run to run (from a sample, "several states" took a bitmap scan of its tiny
+    // ranges now and then; with every row, always). Broken on purpose with the role's condition
+    // made unindexable: "first page of a queue: 1160814 index entries for a page of 100".
     Spi::run(
         "INSERT INTO durable_jobs.durable_job
              (queue_name, job_kind, job_state, payload, max_attempts, attempt_count, enqueued_by, finished_at,
@@ -394,6 +398,7 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
          SELECT 'odd', 'k', '{}', 1, 'postgres' FROM generate_series(1, 50);
          INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
          SELECT 'odd', 'k', '{}', 1, 'dj_test_few' FROM generate_series(1, 3);
+         SET LOCAL default_statistics_target = 10000;
          ANALYZE durable_jobs.durable_job",
     )
     .unwrap();
@@ -415,7 +420,7 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
     ] {
         let own = roles.is_some();
         let (entries, index_only) = listing_cost(queue, states, below, 100, roles);
-        assert!(index_only, "{what}: every scan is an index scan");
+        assert!(index_only, "{what}: the table is read by index only");
         if own {
             assert!(entries <= 3, "{what}: {entries} index entries for a role with 3 jobs");
             continue;
