@@ -116,11 +116,12 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
 
 /// The worker's waits for job rows that other sessions hold (a concurrent claim for a moment, a
 /// cancel left open for longer) in one step of a batch: a renewal, a completion, a failure.
-/// Each wait lasts at most a quarter of what the leases at stake have left beyond a reserve of a
-/// quarter of the margin (one row can take two waits: its tuple lock, then its holder's
-/// transaction), and the whole step 1 s. After a handler that used its whole timeout only half
-/// the margin is left; the waits that follow one another (a completion, a failure, one per held
-/// row in the renewals) then still leave those leases live when they are renewed.
+/// Each statement waits at most a quarter of what the leases at stake have left beyond a
+/// reserve of a quarter of the margin, and half of what is left of the step's half margin (one
+/// row can take two waits: its tuple lock, then its holder's transaction). After a handler that
+/// used its whole timeout only half the margin is left; the waits that follow one another (a
+/// completion, a failure, one per held row in the renewals) then still leave those leases live
+/// when they are renewed, and a renewal's waits leave the next handler more than its timeout.
 struct RowWaits {
     soonest_expiry_unix_us: i64,
     margin_ms: i64,
@@ -129,17 +130,20 @@ struct RowWaits {
 
 impl RowWaits {
     fn new(soonest_expiry_unix_us: i64, margin_ms: i64) -> RowWaits {
-        RowWaits { soonest_expiry_unix_us, margin_ms, step_ends_unix_us: now_unix_us() + 1_000_000 }
+        let step_ends_unix_us = now_unix_us() + margin_ms * 1000 / 2;
+        RowWaits { soonest_expiry_unix_us, margin_ms, step_ends_unix_us }
     }
 
-    /// Sets lock_timeout for the next statement (never 0, which would wait for ever).
-    fn arm(&self) {
+    /// Sets lock_timeout for the next statement; false when no time is left to wait (the
+    /// statement then waits 1 ms at most: 0 would wait for ever).
+    fn arm(&self) -> bool {
         let now = now_unix_us();
         let slack_ms = self.soonest_expiry_unix_us.saturating_sub(now) / 1000 - self.margin_ms / 4;
         let step_left_ms = (self.step_ends_unix_us - now) / 1000;
-        let wait_ms = (slack_ms / 4).min(step_left_ms).clamp(1, 1000);
-        let timeout = std::ffi::CString::new(format!("{wait_ms}ms")).expect("no NUL");
+        let wait_ms = (slack_ms / 4).min(step_left_ms / 2);
+        let timeout = std::ffi::CString::new(format!("{}ms", wait_ms.max(1))).expect("no NUL");
         unsafe { set_at_this_level(c"lock_timeout", &timeout) };
+        wait_ms >= 1
     }
 }
 
@@ -206,7 +210,6 @@ pub fn run_jobs(
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
-        RowWaits::new(i64::MAX, margin_ms).arm();
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = load_jobs(jobs, worker_id);
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
@@ -228,38 +231,13 @@ pub fn run_jobs(
                 // The claim's leases were taken, and are renewed, together: `expiry` is the
                 // soonest of them, `later`'s included.
                 let waits = RowWaits::new(expiry, margin_ms);
-                let (renewed, mut waited) = renew_leases(&remaining, worker_id, lease_seconds, &waits);
-                let mut renewed_later = Vec::new();
+                let renewed: HashMap<i64, i64> =
+                    renew_leases(&remaining, worker_id, lease_seconds, &waits).into_iter().collect();
                 if !later.is_empty() {
                     // Committed with this batch; a job whose row someone holds is renewed, or
                     // found lost, when its own batch runs.
-                    let outcome = in_subtransaction(|| {
-                        let (renewed, waited_here) = renew_leases(later, worker_id, lease_seconds, &waits);
-                        renewed_later = renewed;
-                        waited |= waited_here;
-                        true
-                    });
-                    if outcome.is_err() {
-                        renewed_later.clear();
-                    }
-                }
-                let mut renewed: HashMap<i64, i64> = renewed.into_iter().collect();
-                if waited {
-                    // The waits came out of the leases just renewed: renew them once more, at
-                    // once (their rows are this transaction's now), for a whole lease each.
-                    let ours = |jobs: &[(i64, Uuid)], ids: &[i64]| -> Vec<(i64, Uuid)> {
-                        jobs.iter().filter(|(id, _)| ids.contains(id)).copied().collect()
-                    };
-                    let renewed_ids: Vec<i64> = renewed.keys().copied().collect();
-                    renewed.extend(lease::renew_leases(
-                        &ours(&remaining, &renewed_ids),
-                        worker_id,
-                        lease_seconds,
-                        true,
-                    ));
-                    let later_ids: Vec<i64> = renewed_later.iter().map(|(id, _)| *id).collect();
                     let _ = in_subtransaction(|| {
-                        lease::renew_leases(&ours(later, &later_ids), worker_id, lease_seconds, true);
+                        renew_leases(later, worker_id, lease_seconds, &waits);
                         true
                     });
                 }
@@ -298,7 +276,7 @@ pub fn run_jobs(
                                 completion = Completion::PerJob;
                             }
                             if let Outcome::Failed(code, sqlstate) = outcome {
-                                RowWaits::new(expiry, margin_ms).arm();
+                                let _ = RowWaits::new(expiry, margin_ms).arm();
                                 record_failure(lease, worker_id, code, sqlstate.as_deref(), &mut tally);
                             }
                         }
@@ -314,31 +292,31 @@ pub fn run_jobs(
 
 /// Renews the leases of `jobs`: those whose rows no one else holds at once, then each held row
 /// alone, waited for as `waits` allows and otherwise left to its lease. Returns the renewed
-/// leases with their new expiry, and whether any row was waited for. Any error but giving up a
-/// wait is raised again.
+/// leases with their new expiry. Any error but giving up a wait is raised again.
 fn renew_leases(
     jobs: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
     waits: &RowWaits,
-) -> (Vec<(i64, i64)>, bool) {
+) -> Vec<(i64, i64)> {
     let mut renewed = Vec::new();
-    waits.arm();
+    let _ = waits.arm();
     match in_subtransaction(|| {
         renewed = lease::renew_leases(jobs, worker_id, lease_seconds, true);
         true
     }) {
         Ok(_) => {}
-        // A wait for the table itself given up: the rows are tried one by one below.
-        Err(error) if gave_up_waiting(&error) => renewed.clear(),
+        // A wait for the table itself given up: no row is tried alone against it.
+        Err(error) if gave_up_waiting(&error) => return Vec::new(),
         Err(error) => raise_again(error),
     }
-    let left_over = not_among(jobs, &renewed.iter().map(|(id, _)| *id).collect::<Vec<_>>());
-    for job in &left_over {
-        waits.arm();
+    for job in not_among(jobs, &renewed.iter().map(|(id, _)| *id).collect::<Vec<_>>()) {
+        if !waits.arm() {
+            break;
+        }
         let mut renewed_now = Vec::new();
         match in_subtransaction(|| {
-            renewed_now = lease::renew_leases(&[*job], worker_id, lease_seconds, false);
+            renewed_now = lease::renew_leases(&[job], worker_id, lease_seconds, false);
             true
         }) {
             Ok(_) => renewed.extend(renewed_now),
@@ -346,7 +324,7 @@ fn renew_leases(
             Err(error) => raise_again(error),
         }
     }
-    (renewed, !left_over.is_empty())
+    renewed
 }
 
 /// The leases of `jobs` whose ids are not in `ids`.
@@ -370,7 +348,7 @@ fn complete_succeeded(
     // Those whose rows no one else holds at once, then each held row alone; any error, or a row
     // held past the worker's wait for it, counts as a lease lost.
     let waits = RowWaits::new(soonest_expiry, margin_ms);
-    waits.arm();
+    let _ = waits.arm();
     let mut completed = Vec::new();
     if in_subtransaction(|| {
         completed = lease::complete_jobs(&leases, worker_id, true);
@@ -381,7 +359,9 @@ fn complete_succeeded(
         fail_batch_for_a_lost_lease();
     }
     for job in not_among(&leases, &completed) {
-        waits.arm();
+        if !waits.arm() {
+            fail_batch_for_a_lost_lease();
+        }
         if !matches!(
             in_subtransaction(|| lease::complete_jobs(&[job], worker_id, false).len() == 1),
             Ok(true)
@@ -422,7 +402,7 @@ fn run_job(
         match completion {
             Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
             Completion::PerJob => {
-                RowWaits::new(job.lease_expires_unix_us, margin_ms).arm();
+                let _ = RowWaits::new(job.lease_expires_unix_us, margin_ms).arm();
                 lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
             }
         }

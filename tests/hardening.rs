@@ -1149,10 +1149,10 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     // One claim (10 s leases, a margin of 1 s) takes app_a's first job (1.5 s, after which the
     // leases need renewing) and its second (waiting for an advisory lock until its statement
     // timeout cuts it, one attempt only), then app_b's job, whose row app_b holds (a cancel left
-    // open). The renewal renews the second job's lease at once, then waits 1 s for app_b's row;
-    // the second job must still get a whole lease, so that its failure, recorded when its
-    // statement timeout cuts it, lands inside it. Broken on purpose (no second renewal after
-    // the wait): the failure came after the lease's end, and the job ended
+    // open). The renewal renews the second job's lease at once, then waits for app_b's row at
+    // most half the margin in all, so that the second job's failure, recorded when its statement
+    // timeout cuts it, still lands inside its lease. Broken on purpose (each wait up to 1 s, no
+    // limit per step): the failure came after the lease's end, and the job ended
     // `failed/lease_expired` instead of `failed/target_unavailable`, in 3 runs of 3.
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
         "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
