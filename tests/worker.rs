@@ -566,10 +566,12 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
 }
 
 /// A job's row held by another session when its batch completes its jobs: the completion waits
-/// for it a moment only (1 s here), the batch runs again with each job completed after its
-/// handler; by then the claim's leases need renewing, and the renewal, after the same wait,
-/// leaves the held job to its lease (counted stale, not run again). Only the held job waits for
-/// its lease to run again; the batch never fails as a whole. Failed before the fix (review of the batched completion): the
+/// for it a moment only (250 ms here), the batch runs again with each job completed after its
+/// handler, and the held job is left to its lease, one of two ways depending on when the rerun
+/// starts: its completion and failure time out the same way (its write rolled back, the failure
+/// logged as not recorded), or, once the claim's leases need renewing, the renewal leaves it
+/// (counted stale, not run again). Only the held job waits for its lease to run again; the batch
+/// never fails as a whole. Failed before the fix (review of the batched completion): the
 /// completion waited for the row until its lock timeout, and the batch failed as a whole and
 /// ran one job per transaction.
 #[test]
@@ -600,7 +602,10 @@ fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() 
         .collect();
     assert_eq!(attempts, [(0, 2), (1, 1), (2, 1)], "only the held job ran again");
     let log = cluster.server_log();
-    assert_eq!((metric(&mut client, "succeeded"), metric(&mut client, "stale")), (3, 1), "{log}");
+    let not_recorded = log.contains(&format!("could not record the failure of job {first} (SQLSTATE 55P03)"));
+    let stale = metric(&mut client, "stale");
+    assert_eq!(metric(&mut client, "succeeded"), 3, "{log}");
+    assert!((not_recorded && stale == 0) || (!not_recorded && stale == 1), "stale {stale}: {log}");
     assert!(log.contains("running it again with each job completed after its handler"), "{log}");
     assert!(!log.contains("failed as a whole"), "{log}");
 }
