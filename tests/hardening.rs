@@ -674,9 +674,16 @@ fn the_routine_that_runs_is_the_one_that_was_checked() {
         )
         .unwrap();
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    app_a.execute("SELECT durable_jobs.enqueue_durable_job('swap', '{}', priority => 10)", &[]).unwrap();
-    enqueue(&mut app_a, "nightly");
-    enqueue(&mut admin, "nightly");
+    // Ready since before any claim transaction now running began (a claim sees only jobs whose
+    // `run_after` is before its transaction's start), so that one claim takes the three.
+    let past = "run_after => now() - interval '1 minute'";
+    app_a
+        .batch_execute(&format!(
+            "SELECT durable_jobs.enqueue_durable_job('swap', '{{}}', priority => 10, {past});
+             SELECT durable_jobs.enqueue_durable_job('nightly', '{{}}', {past});"
+        ))
+        .unwrap();
+    admin.batch_execute(&format!("SELECT durable_jobs.enqueue_durable_job('nightly', '{{}}', {past})")).unwrap();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
     assert_eq!(outcome_by(&mut admin, "swap", "app_a"), ("succeeded".into(), None));
@@ -1067,7 +1074,7 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     let mut app_b = cluster.connect_as("app_b");
     let slow: i64 = app_a
         .query_one(
-            r#"SELECT max(durable_jobs.enqueue_durable_job('work', p, priority => 10))
+            r#"SELECT max(durable_jobs.enqueue_durable_job('work', p, priority => 10, run_after => now() - interval '1 minute'))
                FROM (VALUES ('{"seconds": 0.7, "what": "first"}'::jsonb),
                             ('{"seconds": 0, "what": "slow", "wait_for_lock": true}')) v(p)"#,
             &[],
@@ -1077,18 +1084,27 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     let (third, fourth): (i64, i64) = app_a
         .query_one(
             r#"SELECT min(j), max(j) FROM (VALUES ('third'), ('fourth')) v(w),
-                   LATERAL durable_jobs.enqueue_durable_job('work', jsonb_build_object('seconds', 0, 'what', w), priority => 9) j"#,
+                   LATERAL durable_jobs.enqueue_durable_job('work', jsonb_build_object('seconds', 0, 'what', w), priority => 9,
+                                                            run_after => now() - interval '1 minute') j"#,
             &[],
         )
         .map(|row| (row.get(0), row.get(1)))
         .unwrap();
     let held_by_b: i64 = app_b
-        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "held"}')"#, &[])
+        .query_one(
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "held"}', run_after => now() - interval '1 minute')"#,
+            &[],
+        )
         .unwrap()
         .get(0);
     app_b
-        .batch_execute(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "b"}', max_attempts => 1)"#)
+        .batch_execute(
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "what": "b"}', max_attempts => 1,
+                                                   run_after => now() - interval '1 minute')"#,
+        )
         .unwrap();
+    // The jobs' run_after lies a minute back: a claim sees only jobs ready when its transaction
+    // began, and one claim must take them all, whenever the worker's transaction began.
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(20), "the slow handler to wait for its lock", || {
         count(&mut admin, "SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'durable_jobs%' AND wait_event = 'advisory'") == 1
@@ -1176,15 +1192,22 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     let mut app_b = cluster.connect_as("app_b");
     app_a
         .batch_execute(
-            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 1.5}', priority => 10);
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 1.5}', priority => 10,
+                                                       run_after => now() - interval '1 minute');
                SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "wait_for_lock": true}',
-                                                       priority => 9, max_attempts => 1);"#,
+                                                       priority => 9, max_attempts => 1,
+                                                       run_after => now() - interval '1 minute');"#,
         )
         .unwrap();
     let held: i64 = app_b
-        .query_one(r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0}')"#, &[])
+        .query_one(
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0}', run_after => now() - interval '1 minute')"#,
+            &[],
+        )
         .unwrap()
         .get(0);
+    // The jobs' run_after lies a minute back: a claim sees only jobs ready when its transaction
+    // began, and one claim must take them all, whenever the worker's transaction began.
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(20), "the claim of the three jobs", || {
         count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'") == 3
