@@ -150,7 +150,7 @@ impl RowWaits {
 /// Whether a caught error is a wait for a lock given up: a lock timeout, or a deadlock with the
 /// session holding the row.
 fn gave_up_waiting(error: &CaughtFailure) -> bool {
-    error.sqlstate == "55P03" || error.sqlstate == "40P01"
+    matches!(error.sqlstate().as_str(), "55P03" | "40P01")
 }
 
 /// Raises a caught error again, with its SQLSTATE and message.
@@ -419,11 +419,12 @@ fn run_job(
                     "durable_jobs worker: job {job_id} (kind {}, attempt {}) failed with SQLSTATE {}: {}",
                     job.job_kind,
                     job.attempt_count,
-                    error.sqlstate,
+                    error.sqlstate(),
                     error.message
                 );
             }
-            return Outcome::Failed(FailureCode::from_sqlstate(&error.sqlstate), Some(error.sqlstate));
+            let sqlstate = error.sqlstate();
+            return Outcome::Failed(FailureCode::from_sqlstate(&sqlstate), Some(sqlstate));
         }
     }
     Outcome::Counted
@@ -486,7 +487,7 @@ pub fn record_failure(
         log!(
             "durable_jobs worker: could not record the failure of job {job_id} (SQLSTATE {}); \
              it is claimed again when its lease expires",
-            error.sqlstate
+            error.sqlstate()
         );
     }
 }
@@ -638,9 +639,15 @@ fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) {
 
 /// An error caught in a job's subtransaction.
 pub struct CaughtFailure {
-    pub sqlstate: String,
+    /// The SQLSTATE as PostgreSQL packs it (MAKE_SQLSTATE), so that it can be raised again.
     pub packed_sqlstate: i32,
     pub message: String,
+}
+
+impl CaughtFailure {
+    pub fn sqlstate(&self) -> String {
+        sqlstate_text(self.packed_sqlstate)
+    }
 }
 
 /// Runs `f` in a subtransaction that is released when `f` returns true and rolled back when it
@@ -660,7 +667,6 @@ fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
             .catch_others(|error| {
                 let report = report_of(&error);
                 Err(CaughtFailure {
-                    sqlstate: sqlstate_of(&error),
                     packed_sqlstate: report.sql_error_code() as i32,
                     message: report.message().to_string(),
                 })
