@@ -653,7 +653,7 @@ impl CaughtFailure {
 /// Runs `f` in a subtransaction that is released when `f` returns true and rolled back when it
 /// returns false or raises an error, whose SQLSTATE and message are returned. User, memory context and
 /// resource owner are restored on every path, and the statement timeout disarmed.
-fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
+pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
     unsafe {
         let memory_context = pg_sys::CurrentMemoryContext;
         let resource_owner = pg_sys::CurrentResourceOwner;

@@ -683,7 +683,9 @@ fn the_routine_that_runs_is_the_one_that_was_checked() {
              SELECT durable_jobs.enqueue_durable_job('nightly', '{{}}', {past});"
         ))
         .unwrap();
-    admin.batch_execute(&format!("SELECT durable_jobs.enqueue_durable_job('nightly', '{{}}', {past})")).unwrap();
+    admin
+        .batch_execute(&format!("SELECT durable_jobs.enqueue_durable_job('nightly', '{{}}', {past})"))
+        .unwrap();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
     assert_eq!(outcome_by(&mut admin, "swap", "app_a"), ("succeeded".into(), None));
@@ -1110,7 +1112,10 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
         count(&mut admin, "SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'durable_jobs%' AND wait_event = 'advisory'") == 1
     });
     assert_eq!(
-        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1"),
+        count(
+            &mut admin,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1"
+        ),
         6,
         "one claim took the six jobs"
     );
@@ -1121,11 +1126,19 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     }
     let mut holding = app_a.transaction().unwrap();
     for job in [slow, third, fourth] {
-        assert!(holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job]).unwrap().get::<_, bool>(0));
+        assert!(holding
+            .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job])
+            .unwrap()
+            .get::<_, bool>(0));
     }
     let mut holding_b = app_b.transaction().unwrap();
-    assert!(holding_b.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held_by_b]).unwrap().get::<_, bool>(0));
-    wait_until(Duration::from_secs(30), "the first job and app_b's second to finish", || finished(&mut admin) == 2);
+    assert!(holding_b
+        .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held_by_b])
+        .unwrap()
+        .get::<_, bool>(0));
+    wait_until(Duration::from_secs(30), "the first job and app_b's second to finish", || {
+        finished(&mut admin) == 2
+    });
     holding.commit().unwrap();
     holding_b.commit().unwrap();
     let states: Vec<(String, String, i32)> = admin
@@ -1215,7 +1228,10 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     // Before the first job's 1.5 s are over, so that the renewal meets the held row.
     app_b.batch_execute("SET lock_timeout = '2s'").unwrap();
     let mut holding = app_b.transaction().unwrap();
-    assert!(holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap().get::<_, bool>(0));
+    assert!(holding
+        .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held])
+        .unwrap()
+        .get::<_, bool>(0));
     wait_until(Duration::from_secs(30), "app_a's two jobs to finish", || finished(&mut admin) == 2);
     holding.commit().unwrap();
     let states: Vec<(String, String, i32)> = admin

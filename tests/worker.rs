@@ -549,7 +549,9 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
     assert_eq!(harness::complete(&mut txn, &reclaimed, "external"), "succeeded");
     txn.commit().unwrap();
     client.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
-    wait_until(Duration::from_secs(30), "the batch to finish", || jobs_in_state(&mut client, "succeeded") == 3);
+    wait_until(Duration::from_secs(30), "the batch to finish", || {
+        jobs_in_state(&mut client, "succeeded") == 3
+    });
     assert_eq!(
         harness::table_rows(&mut client, "public.effects", "n, done_by"),
         ["(1,external)", "(2,worker)", "(3,worker)"],
@@ -588,7 +590,9 @@ fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() 
     client.execute("SELECT pg_advisory_unlock(4243)", &[]).unwrap();
     wait_until(Duration::from_secs(30), "jobs 2 and 3", || jobs_in_state(&mut client, "succeeded") == 2);
     held.rollback().unwrap();
-    wait_until(Duration::from_secs(30), "job 1 after its lease", || jobs_in_state(&mut client, "succeeded") == 3);
+    wait_until(Duration::from_secs(30), "job 1 after its lease", || {
+        jobs_in_state(&mut client, "succeeded") == 3
+    });
     assert_eq!(
         harness::table_rows(&mut client, "public.effects", "n, done_by"),
         ["(1,worker)", "(2,worker)", "(3,worker)"],
@@ -630,15 +634,21 @@ fn a_handler_waits_for_a_lock_under_the_sessions_lock_timeout_not_the_workers() 
              SELECT pg_advisory_lock(4244);",
         )
         .unwrap();
-    let job_id: i64 =
-        client.query_one("SELECT durable_jobs.enqueue_durable_job('wait_for_lock', '{}')", &[]).unwrap().get(0);
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('wait_for_lock', '{}')", &[])
+        .unwrap()
+        .get(0);
     let waiting = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'";
-    wait_until(Duration::from_secs(20), "the handler to wait for the lock", || count(&mut client, waiting) == 1);
+    wait_until(Duration::from_secs(20), "the handler to wait for the lock", || {
+        count(&mut client, waiting) == 1
+    });
     // The pause is the point: longer than the worker's lock timeout.
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(count(&mut client, waiting), 1, "the handler still waits: {}", cluster.server_log());
     client.execute("SELECT pg_advisory_unlock(4244)", &[]).unwrap();
-    wait_until(Duration::from_secs(20), "the job to succeed", || jobs_in_state(&mut client, "succeeded") == 1);
+    wait_until(Duration::from_secs(20), "the job to succeed", || {
+        jobs_in_state(&mut client, "succeeded") == 1
+    });
     let (_, code, attempts) = job_outcome(&mut client, &format!("job_id = {job_id}"));
     assert_eq!((code, attempts), (None, 1), "one attempt, no failure on the way");
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1);
@@ -866,4 +876,95 @@ fn the_worker_honours_a_queue_concurrency_limit_in_batches() {
     let highest: i64 = client.query_one("SELECT max(running) FROM public.effects", &[]).unwrap().get(0);
     assert_eq!(highest, 1);
     assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 40);
+}
+
+/// Four jobs for a worker claiming two at a time, two of priority 10, then two whose handlers
+/// wait for advisory lock `lock` (held by `client` until the caller releases it, or by the
+/// first two too with `first_wait`). All ready a minute back, so that the first claim takes the
+/// first two and only they (a claim sees the jobs ready when its transaction began). Each
+/// handler writes its n to public.effects. Returns once a handler waits for the lock.
+fn two_batches_waiting_on(client: &mut Client, cluster: &Cluster, lock: i64, first_wait: bool) {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.write_then_wait(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 IF (payload->>'wait')::boolean THEN
+                     PERFORM pg_advisory_xact_lock({lock});
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('write_then_wait', 'public.write_then_wait(jsonb)');
+             SELECT pg_advisory_lock({lock});
+             SELECT durable_jobs.enqueue_durable_job('write_then_wait',
+                        jsonb_build_object('n', g, 'wait', g > 2 OR {first_wait}),
+                        run_after => now() - interval '1 minute', priority => CASE WHEN g <= 2 THEN 10 ELSE 0 END)
+             FROM generate_series(1, 4) g;"
+        ))
+        .unwrap();
+    let mut watcher = cluster.connect();
+    wait_until(Duration::from_secs(30), "a handler waiting on the lock", || {
+        count(
+            &mut watcher,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
+        ) == 1
+    });
+}
+
+/// A worker whose claim was full claims its next batch in the transaction that runs and
+/// completes the batch before, so that a busy worker pays one durable commit per batch: the
+/// first batch's completions and the second batch's claims commit together (the same commit
+/// timestamp; the row versions are of subtransactions, so their xmins differ). Failed before the
+/// change (two commits: 2 distinct timestamps).
+#[test]
+fn a_busy_worker_claims_its_next_batch_in_the_transaction_of_the_batch_before() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ntrack_commit_timestamp = on\n"
+    ));
+    let mut client = cluster.connect();
+    two_batches_waiting_on(&mut client, &cluster, 4245, false);
+    let commits = "SELECT count(DISTINCT pg_xact_commit_timestamp(xmin)) FROM durable_jobs.durable_job";
+    assert_eq!(jobs_in_state(&mut client, "succeeded"), 2);
+    assert_eq!(jobs_in_state(&mut client, "running"), 2);
+    assert_eq!(count(&mut client, commits), 1, "the second batch's claim committed with the first");
+    client.execute("SELECT pg_advisory_unlock(4245)", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the four jobs", || jobs_in_state(&mut client, "succeeded") == 4);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 4, "one effect per job");
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE attempt_count = 1"),
+        4
+    );
+    assert_eq!(metric(&mut client, "claimed"), 4);
+}
+
+/// A claim ahead that fails (here: it waits for the queue table, which another session holds,
+/// longer than the worker's lock timeout) is rolled back alone: the batch it follows commits as
+/// it is, its handlers' writes once, and the jobs it would have taken are claimed later. Failed
+/// with the claim ahead outside a subtransaction: the batch's transaction failed as a whole
+/// (logged) and its jobs ran again, one transaction each.
+#[test]
+fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
+    let mut client = cluster.connect();
+    two_batches_waiting_on(&mut client, &cluster, 4246, true);
+    let mut holder = cluster.connect();
+    let mut held = holder.transaction().unwrap();
+    held.execute("LOCK TABLE durable_jobs.durable_job_queue IN ACCESS EXCLUSIVE MODE", &[]).unwrap();
+    client.execute("SELECT pg_advisory_unlock(4246)", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the first batch", || jobs_in_state(&mut client, "succeeded") == 2);
+    assert_eq!(jobs_in_state(&mut client, "available"), 2, "the claim ahead was rolled back");
+    held.rollback().unwrap();
+    wait_until(Duration::from_secs(30), "the four jobs", || jobs_in_state(&mut client, "succeeded") == 4);
+    assert_eq!(
+        harness::table_rows(&mut client, "public.effects", "n"),
+        ["(1)", "(2)", "(3)", "(4)"],
+        "one effect per job"
+    );
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE attempt_count = 1"),
+        4
+    );
+    let log = cluster.server_log();
+    assert!(!log.contains("failed as a whole"), "{log}");
 }
