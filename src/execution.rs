@@ -78,7 +78,7 @@ fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            plans::execute(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
+            plans::execute_generic(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
                     let routine: Option<pg_sys::Oid> = row.get(3).unwrap();
                     let is_procedure: Option<bool> = row.get(4).unwrap();

@@ -577,7 +577,7 @@ fn over_leases<T: FromDatum + IntoDatum>(
         [ids.into(), tokens.into(), worker_id.into()].into_iter().chain(more).collect();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            plans::execute(client, statement, &args)
+            plans::execute_generic(client, statement, &args)
                 .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap().unwrap()))
                 .collect()
         })

@@ -24,6 +24,24 @@ pub fn execute<'conn>(
     client.update(&*plan, None, args).expect(query)
 }
 
+/// `execute` under the kept generic plan, for a statement over arrays of a batch's jobs: for a
+/// batch of one its custom plan always looks cheaper than the generic one (the same plan, for an
+/// estimate of ten jobs), so PostgreSQL planned it anew on every call (40 % of the worker's time
+/// at claim_batch_size 1).
+pub fn execute_generic<'conn>(
+    client: &mut SpiClient<'conn>,
+    query: &str,
+    args: &[DatumWithOid],
+) -> SpiTupleTable<'conn> {
+    unsafe {
+        let level = pgrx::pg_sys::NewGUCNestLevel();
+        crate::privilege::set_at_this_level(c"plan_cache_mode", c"force_generic_plan");
+        let result = execute(client, query, args);
+        pgrx::pg_sys::AtEOXact_GUC(true, level);
+        result
+    }
+}
+
 /// Executes a statement that writes nothing, as `execute` would (under a fresh snapshot), but
 /// without pgrx's `update`, which assigns the transaction an xid: a read must not get one (a
 /// waiter would then stand as a running transaction in every snapshot taken while it sleeps,
