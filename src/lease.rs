@@ -45,8 +45,9 @@ macro_rules! lease_fence {
 
 // One statement: first, expired leases with no attempts left end as `lease_expired` instead of
 // being claimed again (up to 100 per call); then the best ready jobs are claimed. The two parts
-// touch disjoint rows (attempts used up or not). `$claimed` and `$expired` add the status
-// columns' changes where the schema has them.
+// touch disjoint rows (attempts used up or not). A job is ready by the clock, not by the
+// transaction's start: the worker claims ahead at the end of a transaction that ran a batch.
+// `$claimed` and `$expired` add the status columns' changes where the schema has them.
 macro_rules! claim_statement {
     ($kind_filter:expr, $claimed:expr, $expired:expr) => {
         concat!(
@@ -78,7 +79,7 @@ macro_rules! claim_statement {
                            AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
                 candidate AS (
                     SELECT job_id FROM durable_jobs.durable_job
-                    WHERE ((job_state = 'available' AND run_after <= pg_catalog.now())
+                    WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
                            OR (job_state = 'running'
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
                                AND attempt_count < max_attempts))
@@ -141,8 +142,10 @@ pub(crate) const CLAIM_FOR_WORKER: &str = claim_statement!(
     "AND $4 AND EXISTS (
          SELECT 1 FROM durable_jobs.durable_job_handler h
          WHERE h.job_kind = durable_job.job_kind
-           AND durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
-                                                       durable_job.enqueued_by::pg_catalog.text))",
+           -- A registration serves its own role's jobs without a function call per job.
+           AND (h.registered_by = durable_job.enqueued_by
+                OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
+                                                           durable_job.enqueued_by::pg_catalog.text)))",
     new_state_version!(),
     expiry_columns!()
 );

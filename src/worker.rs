@@ -1,8 +1,9 @@
 //! The background worker: poll, claim jobs whose kind has a handler, run them, repeat.
 //!
 //! Transaction 1 claims and commits the leases, so a crash after it loses nothing: a job is
-//! claimed again once its lease expires. Then one transaction per enqueuing role runs that
-//! role's handlers (see `execution`): in the worker's own session for the role it is bound to,
+//! claimed again once its lease expires. (A busy worker claims its next batch at the end of
+//! the transaction that runs the last batch, and commits it there: `claim_ahead`.) Then one
+//! transaction per enqueuing role runs that role's handlers (see `execution`): in the worker's own session for the role it is bound to,
 //! in a role runner's session of its own for any other role (see `runner`).
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
@@ -60,6 +61,9 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let mut last_prune = Instant::now();
     let mut reported_enabled = None;
     loop {
+        // Pruning waits for a poll that claims nothing ahead, so that it never delays jobs
+        // whose leases already run.
+        let prune_due = last_prune.elapsed() >= PRUNE_EVERY;
         // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
         let found_job = in_transaction_or_logged("poll", || {
@@ -72,16 +76,17 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             if !enabled {
                 give_back_claimed_ahead(&worker_id);
             }
-            let found_job = enabled && poll_once(number, &worker_id);
-            // Retention does not depend on whether jobs run: pruning goes on with the worker off.
-            if last_prune.elapsed() >= PRUNE_EVERY {
-                prune_finished_jobs();
-                last_prune = Instant::now();
-            }
-            found_job
+            enabled && poll_once(number, &worker_id, !prune_due)
         })
         .unwrap_or(false);
-        if found_job {
+        let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().is_empty());
+        // Retention does not depend on whether jobs run: pruning goes on with the worker off.
+        if prune_due && !claimed_ahead {
+            in_transaction_or_logged("pruning", prune_finished_jobs);
+            last_prune = Instant::now();
+        }
+        // Jobs claimed ahead run next, whatever else this poll met.
+        if found_job || claimed_ahead {
             continue;
         }
         let wait = || BackgroundWorker::wait_latch(Some(settings::poll_interval()));
@@ -237,11 +242,21 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing.
 fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
     let mut claimed = Vec::new();
-    if settings::WORKER_ENABLED.get() {
-        let _ = execution::in_subtransaction(|| {
+    if !settings::WORKER_ENABLED.get() {
+        return claimed;
+    }
+    if let Err(error) = execution::in_subtransaction(|| {
+        // Asked again here: under a steady load no poll claims on its own, and a schema of
+        // another version is left alone (see `extension_ready`).
+        if extension_ready() {
             claimed = claim_batch(worker_id, lease_seconds);
-            true
-        });
+        }
+        true
+    }) {
+        log!(
+            "{WORKER_TYPE}: claiming the next batch ahead failed with SQLSTATE {}; rolled back alone",
+            error.sqlstate()
+        );
     }
     claimed
 }
@@ -254,9 +269,9 @@ fn give_back_claimed_ahead(worker_id: &str) {
 }
 
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs (or take those claimed ahead) and
-/// run them, each in its own subtransaction, one commit per enqueuing role. Returns whether any
-/// job was claimed.
-fn poll_once(number: i32, worker_id: &str) -> bool {
+/// run them, each in its own subtransaction, one commit per enqueuing role; `may_claim_ahead`
+/// lets the last batch claim the next (`claim_ahead`). Returns whether any job was claimed.
+fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
     let claimed = if ahead.is_empty() {
@@ -282,7 +297,7 @@ fn poll_once(number: i32, worker_id: &str) -> bool {
                 // Counted as claimed once it runs: a job given back is claimed again later.
                 let taken = if *role == bound {
                     // The last batch of a full claim claims the next one in its transaction.
-                    let ahead = full && later.is_empty();
+                    let ahead = may_claim_ahead && full && later.is_empty();
                     run_batch(batch, &later, worker_id, lease_seconds, ahead);
                     batch.len()
                 } else {

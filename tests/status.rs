@@ -480,8 +480,15 @@ fn a_query_cancel_ends_a_wait_at_once_and_snapshots_that_cannot_see_change_are_r
             waiting.query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 60)", &[&job_id]);
         let _ = sender.send(outcome.err().map(|e| sqlstate(&e)));
     });
-    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut client).len() == 1);
-    let pid = waiting_sessions(&mut client)[0].0;
+    // The pid as seen waiting (a second look could fall between two of its reads).
+    let mut pid = 0;
+    wait_until(Duration::from_secs(10), "the session waiting", || match waiting_sessions(&mut client)[..] {
+        [(waiting_pid, _, _)] => {
+            pid = waiting_pid;
+            true
+        }
+        _ => false,
+    });
     client.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
     let outcome = receiver.recv_timeout(Duration::from_secs(2)).expect("the cancel ends the wait at once");
     assert_eq!(outcome.as_deref(), Some("57014"));

@@ -952,8 +952,15 @@ fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
     let mut held = holder.transaction().unwrap();
     held.execute("LOCK TABLE durable_jobs.durable_job_queue IN ACCESS EXCLUSIVE MODE", &[]).unwrap();
     client.execute("SELECT pg_advisory_unlock(4246)", &[]).unwrap();
+    // The claim ahead waits for the table inside the first batch's transaction: its jobs are
+    // still running (not committed) while the worker waits for the lock.
+    let claim_waits = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'
+                       AND wait_event_type = 'Lock' AND wait_event = 'relation'";
+    wait_until(Duration::from_secs(30), "the claim ahead to wait", || count(&mut client, claim_waits) == 1);
+    assert_eq!(jobs_in_state(&mut client, "running"), 2, "the first batch has not committed");
     wait_until(Duration::from_secs(30), "the first batch", || jobs_in_state(&mut client, "succeeded") == 2);
     assert_eq!(jobs_in_state(&mut client, "available"), 2, "the claim ahead was rolled back");
+    assert!(cluster.server_log().contains("claiming the next batch ahead failed with SQLSTATE 55P03"));
     held.rollback().unwrap();
     wait_until(Duration::from_secs(30), "the four jobs", || jobs_in_state(&mut client, "succeeded") == 4);
     assert_eq!(
@@ -1011,4 +1018,67 @@ fn the_workers_statements_are_planned_once_not_per_job() {
             "SELECT count(*) FROM pg_stat_statements WHERE calls >= 30 AND query LIKE '%WITH exhausted%'"
         ) >= 1
     );
+}
+
+/// Jobs claimed ahead by a worker that is switched off meanwhile go back to the queue with their
+/// attempts, at once, instead of waiting out their leases: the switch-off reaches the worker
+/// while its first batch runs, that batch's transaction still claims ahead (the worker reads
+/// the setting between polls), and the next poll gives the claim back. Failed without the give
+/// back: jobs 3 and 4 stayed `running`, attempt 1, until their leases expired.
+#[test]
+fn jobs_claimed_ahead_go_back_to_the_queue_when_the_worker_is_switched_off() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
+    let mut client = cluster.connect();
+    two_batches_waiting_on(&mut client, &cluster, 4247, true);
+    client.execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off", &[]).unwrap();
+    client.execute("SELECT pg_reload_conf()", &[]).unwrap();
+    client.execute("SELECT pg_advisory_unlock(4247)", &[]).unwrap();
+    wait_for_worker_activity(&mut client, SWITCHED_OFF);
+    let jobs: Vec<(String, i32)> = client
+        .query("SELECT job_state, attempt_count FROM durable_jobs.durable_job ORDER BY job_id", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let (done, back) = (("succeeded".to_string(), 1), ("available".to_string(), 0));
+    assert_eq!(jobs, [done.clone(), done, back.clone(), back], "{}", cluster.server_log());
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 2);
+}
+
+/// A claim ahead sees the jobs ready by the clock when it runs, not when its transaction (which
+/// ran a whole batch first) began: a job of priority 10 enqueued while the first batch runs is
+/// in the second batch, before the older jobs of priority 0. Failed before the fix (the claim
+/// compared `run_after` with `now()`): it came third.
+#[test]
+fn a_claim_ahead_takes_the_jobs_enqueued_while_its_batch_ran() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ntrack_commit_timestamp = on\n"
+    ));
+    let mut client = cluster.connect();
+    two_batches_waiting_on(&mut client, &cluster, 4248, true);
+    let urgent: i64 = client
+        .query_one(
+            "SELECT durable_jobs.enqueue_durable_job('write_then_wait', '{\"n\": 5}', priority => 10)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    client.execute("SELECT pg_advisory_unlock(4248)", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "the five jobs", || jobs_in_state(&mut client, "succeeded") == 5);
+    // Jobs completed in one transaction share its commit timestamp; n is the enqueue order.
+    let batches: Vec<Vec<i32>> = client
+        .query(
+            "SELECT array_agg(n ORDER BY n) FROM (
+                 SELECT pg_xact_commit_timestamp(xmin) committed,
+                        (job_id - min(job_id) OVER () + 1)::integer n
+                 FROM durable_jobs.durable_job) j
+             GROUP BY committed ORDER BY committed",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(urgent, count(&mut client, "SELECT max(job_id) FROM durable_jobs.durable_job"));
+    assert_eq!(batches, [vec![1, 2], vec![3, 5], vec![4]]);
 }
