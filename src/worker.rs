@@ -72,10 +72,11 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             }
             let enabled = settings::WORKER_ENABLED.get();
-            report_whether_enabled(enabled, &mut reported_enabled);
+            // Before the report: a worker shown switched off holds no job it claimed ahead.
             if !enabled {
                 give_back_claimed_ahead(&worker_id);
             }
+            report_whether_enabled(enabled, &mut reported_enabled);
             enabled && poll_once(number, &worker_id, !prune_due)
         })
         .unwrap_or(false);

@@ -979,12 +979,14 @@ fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
 /// The worker's statements keep their plans: at claim_batch_size 1 its load of the batch (over
 /// arrays of one job) was planned anew for every job, since the custom plan for one job always
 /// looks cheaper than the generic plan for ten (40 % of the worker's time at batch 1). Failed
-/// before the fix: the load's plans equalled its calls (30).
+/// before the fix: the load's plans equalled its calls (30). (Kept plans are planned up to six
+/// times, more after an invalidation: the bound is half the calls, autovacuum is off.)
 #[test]
 fn the_workers_statements_are_planned_once_not_per_job() {
     let cluster = Cluster::start(&format!(
         "{WORKER_CONF}shared_preload_libraries = 'durable_jobs, pg_stat_statements'\n\
-         pg_stat_statements.track = all\npg_stat_statements.track_planning = on\n"
+         pg_stat_statements.track = all\npg_stat_statements.track_planning = on\n\
+         autovacuum = off\n"
     ));
     let mut client = cluster.connect();
     client
@@ -1003,7 +1005,7 @@ fn the_workers_statements_are_planned_once_not_per_job() {
     let replanned: Vec<String> = client
         .query(
             "SELECT calls || ' calls, ' || plans || ' plans: ' || left(regexp_replace(query, '\\s+', ' ', 'g'), 60)
-             FROM pg_stat_statements WHERE calls >= 20 AND plans > 6",
+             FROM pg_stat_statements WHERE calls >= 20 AND plans * 2 > calls",
             &[],
         )
         .unwrap()
@@ -1024,7 +1026,8 @@ fn the_workers_statements_are_planned_once_not_per_job() {
 /// attempts, at once, instead of waiting out their leases: the switch-off reaches the worker
 /// while its first batch runs, that batch's transaction still claims ahead (the worker reads
 /// the setting between polls), and the next poll gives the claim back. Failed without the give
-/// back: jobs 3 and 4 stayed `running`, attempt 1, until their leases expired.
+/// back: jobs 3 and 4 stayed `running`, attempt 1, until their leases expired. (The worker
+/// shows itself switched off once it has given them back.)
 #[test]
 fn jobs_claimed_ahead_go_back_to_the_queue_when_the_worker_is_switched_off() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
