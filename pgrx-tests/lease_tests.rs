@@ -227,9 +227,9 @@ fn a_transient_failure_is_retried_with_backoff() {
                                    AND finished_at IS NULL AND last_failure_code = 'target_unavailable'"),
         Some(true)
     );
-    // now() stands still in this transaction, so that the job is not claimable here says little;
-    // tests/multi_connection.rs (`a_retried_job_is_claimable_only_after_its_backoff`) claims
-    // across transactions.
+    // Its backoff runs by the clock (a claim compares run_after with clock_timestamp()); also
+    // claimed across transactions in tests/multi_connection.rs
+    // (`a_retried_job_is_claimable_only_after_its_backoff`).
     assert!(claim("w").is_none());
 }
 
@@ -458,16 +458,66 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
     ];
     for (name, statement, args) in statements {
         let plan = Spi::explain_with_args(statement, &args).unwrap().0.to_string();
-        let other_scans = Spi::get_one_with_args::<String>(
-            r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
-               FROM jsonb_path_query($1::jsonb, '$.** ? ((@."Relation Name" == "durable_job"
-                                                          && @."Node Type" == "Seq Scan")
-                                                         || @."Index Name" like_regex "^durable_job_[a-z_]+_idx$")') AS n
-               WHERE n ->> 'Index Name' IS DISTINCT FROM 'durable_job_pkey'"#,
+        assert_finds_jobs_by_primary_key_only(name, &plan);
+    }
+}
+
+/// Fails unless the JSON plan reads the job table by its primary key and by nothing else.
+fn assert_finds_jobs_by_primary_key_only(name: &str, plan: &str) {
+    let other_scans = Spi::get_one_with_args::<String>(
+        r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
+           FROM jsonb_path_query($1::jsonb, '$.** ? ((@."Relation Name" == "durable_job"
+                                                      && @."Node Type" == "Seq Scan")
+                                                     || @."Index Name" like_regex "^durable_job_[a-z_]+_idx$")') AS n
+           WHERE n ->> 'Index Name' IS DISTINCT FROM 'durable_job_pkey'"#,
+        &[plan.into()],
+    )
+    .unwrap();
+    assert_eq!(other_scans, None, "{name}: {plan}");
+    assert!(plan.contains("durable_job_pkey"), "{name}: {plan}");
+}
+
+/// The worker runs its statements over a batch's leases under their generic plan (whose
+/// estimate is ten leases, whatever the batch): that plan finds the jobs by primary key too.
+/// The test above explains custom plans only (one-shot SPI plans are always custom).
+#[pg_test]
+fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key() {
+    serialize_tests_that_analyze();
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    let (job_id, token) = claim("w").unwrap();
+    Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
+    let leases = "int8[], uuid[], text";
+    let statements = [
+        ("renew", crate::lease::RENEW_BATCH, ", float8", ", 60"),
+        ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
+        ("held", crate::lease::HELD_LEASES, "", ""),
+        ("release", crate::lease::RELEASE_UNSTARTED, "", ""),
+        ("complete batch", crate::lease::COMPLETE_BATCH, "", ""),
+        ("complete batch skipping held", crate::lease::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
+        ("load", crate::execution::LOAD_JOBS, "", ""),
+    ];
+    for (name, statement, more_types, more_args) in statements {
+        Spi::run(&format!("PREPARE generic_leases({leases}{more_types}) AS {statement}")).unwrap();
+        let plan = Spi::get_one::<pgrx::Json>(&format!(
+            "EXPLAIN (FORMAT JSON) EXECUTE generic_leases('{{{job_id}}}', '{{{token}}}', 'w'{more_args})"
+        ))
+        .unwrap()
+        .unwrap()
+        .0
+        .to_string();
+        Spi::run("DEALLOCATE generic_leases").unwrap();
+        // A generic plan: the leases' count unknown, their scan estimated at ten rows.
+        let estimated_ten = Spi::get_one_with_args::<bool>(
+            r#"SELECT bool_and((n ->> 'Plan Rows')::integer = 10)
+               FROM jsonb_path_query($1::jsonb, '$.** ? (@."Node Type" == "Function Scan")') AS n"#,
             &[plan.clone().into()],
         )
         .unwrap();
-        assert_eq!(other_scans, None, "{name}: {plan}");
-        assert!(plan.contains("durable_job_pkey"), "{name}: {plan}");
+        assert_eq!(estimated_ten, Some(true), "{name}: a generic plan: {plan}");
+        assert_finds_jobs_by_primary_key_only(name, &plan);
     }
 }

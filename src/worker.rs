@@ -63,7 +63,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     loop {
         // Pruning waits for a poll that claims nothing ahead, so that it never delays jobs
         // whose leases already run.
-        let prune_due = last_prune.elapsed() >= PRUNE_EVERY;
+        let prune_due = settings::RETENTION_PERIOD.get() > 0 && last_prune.elapsed() >= PRUNE_EVERY;
         // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
         let found_job = in_transaction_or_logged("poll", || {
@@ -243,13 +243,15 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing.
 fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
     let mut claimed = Vec::new();
-    if !settings::WORKER_ENABLED.get() {
+    // A shutdown under way: the claim's lock waits and interrupt checks could only cost the
+    // batch before it its commit.
+    if !settings::WORKER_ENABLED.get() || unsafe { pg_sys::ProcDiePending } != 0 {
         return claimed;
     }
     if let Err(error) = execution::in_subtransaction(|| {
         // Asked again here: under a steady load no poll claims on its own, and a schema of
         // another version is left alone (see `extension_ready`).
-        if extension_ready() {
+        if with_worker_settings(extension_ready) {
             claimed = claim_batch(worker_id, lease_seconds);
         }
         true

@@ -880,9 +880,9 @@ fn the_worker_honours_a_queue_concurrency_limit_in_batches() {
 
 /// Four jobs for a worker claiming two at a time, two of priority 10, then two whose handlers
 /// wait for advisory lock `lock` (held by `client` until the caller releases it, or by the
-/// first two too with `first_wait`). All ready a minute back, so that the first claim takes the
-/// first two and only they (a claim sees the jobs ready when its transaction began). Each
-/// handler writes its n to public.effects. Returns once a handler waits for the lock.
+/// first two too with `first_wait`). All enqueued in one transaction, so that the first claim
+/// takes the first two. Each handler writes its n to public.effects. Returns once a handler
+/// waits for the lock. Callers switch retention off: a prune due holds back a claim ahead.
 fn two_batches_waiting_on(client: &mut Client, cluster: &Cluster, lock: i64, first_wait: bool) {
     client
         .batch_execute(&format!(
@@ -920,7 +920,7 @@ fn two_batches_waiting_on(client: &mut Client, cluster: &Cluster, lock: i64, fir
 #[test]
 fn a_busy_worker_claims_its_next_batch_in_the_transaction_of_the_batch_before() {
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ntrack_commit_timestamp = on\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\ntrack_commit_timestamp = on\n"
     ));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4245, false);
@@ -945,7 +945,7 @@ fn a_busy_worker_claims_its_next_batch_in_the_transaction_of_the_batch_before() 
 /// (logged) and its jobs ran again, one transaction each.
 #[test]
 fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4246, true);
     let mut holder = cluster.connect();
@@ -1013,7 +1013,7 @@ fn the_workers_statements_are_planned_once_not_per_job() {
         .map(|row| row.get(0))
         .collect();
     assert_eq!(replanned, Vec::<String>::new());
-    // The check sees the worker's statements: its claim ran once per job.
+    // The check sees the worker's statements: its claim ran for every job (and every idle poll).
     assert!(
         count(
             &mut client,
@@ -1030,11 +1030,16 @@ fn the_workers_statements_are_planned_once_not_per_job() {
 /// shows itself switched off once it has given them back.)
 #[test]
 fn jobs_claimed_ahead_go_back_to_the_queue_when_the_worker_is_switched_off() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4247, true);
     client.execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off", &[]).unwrap();
     client.execute("SELECT pg_reload_conf()", &[]).unwrap();
+    // The postmaster signals every backend at once: once this session has the new value, the
+    // worker has the signal, which it reads when the batch is done.
+    wait_until(Duration::from_secs(10), "the reload", || {
+        client.query_one("SHOW durable_jobs.worker_enabled", &[]).unwrap().get::<_, String>(0) == "off"
+    });
     client.execute("SELECT pg_advisory_unlock(4247)", &[]).unwrap();
     wait_for_worker_activity(&mut client, SWITCHED_OFF);
     let jobs: Vec<(String, i32)> = client
@@ -1055,7 +1060,7 @@ fn jobs_claimed_ahead_go_back_to_the_queue_when_the_worker_is_switched_off() {
 #[test]
 fn a_claim_ahead_takes_the_jobs_enqueued_while_its_batch_ran() {
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ntrack_commit_timestamp = on\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\ntrack_commit_timestamp = on\n"
     ));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4248, true);
