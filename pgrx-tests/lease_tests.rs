@@ -353,12 +353,7 @@ fn lapsed_and_available_jobs_compete_in_claim_order() {
 
 #[pg_test]
 fn the_claim_is_an_index_scan_in_claim_order() {
-    serialize_tests_that_analyze();
-    Spi::run(
-        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
-         ANALYZE durable_jobs.durable_job",
-    )
-    .unwrap();
+    a_large_analyzed_queue();
     // Any kind, and one kind.
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
@@ -378,14 +373,19 @@ fn the_claim_is_an_index_scan_in_claim_order() {
 /// argument) takes the claimed rows by primary key, for one job and for a worker's batch.
 /// Broken on purpose: with the limit as a parameter, the generic plan hash-joined the whole job
 /// table (a sequential scan per call), so every call had to be planned anew.
-#[pg_test]
-fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
+/// 5,000 jobs of kind `k`, analyzed: statistics under which a plan's choices show.
+fn a_large_analyzed_queue() {
     serialize_tests_that_analyze();
     Spi::run(
         "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
          ANALYZE durable_jobs.durable_job",
     )
     .unwrap();
+}
+
+#[pg_test]
+fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
+    a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
     for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
@@ -423,12 +423,7 @@ fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
 /// statements held the horizon.
 #[pg_test]
 fn statements_on_given_leases_find_their_jobs_by_primary_key() {
-    serialize_tests_that_analyze();
-    Spi::run(
-        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
-         ANALYZE durable_jobs.durable_job",
-    )
-    .unwrap();
+    a_large_analyzed_queue();
     let (job_id, token) = claim("w").unwrap();
     use pgrx::datum::DatumWithOid;
     let one = || -> Vec<DatumWithOid<'static>> { vec![job_id.into(), "w".into(), token.into()] };
@@ -482,12 +477,7 @@ fn assert_finds_jobs_by_primary_key_only(name: &str, plan: &str) {
 /// The test above explains custom plans only (one-shot SPI plans are always custom).
 #[pg_test]
 fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key() {
-    serialize_tests_that_analyze();
-    Spi::run(
-        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
-         ANALYZE durable_jobs.durable_job",
-    )
-    .unwrap();
+    a_large_analyzed_queue();
     let (job_id, token) = claim("w").unwrap();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
     let leases = "int8[], uuid[], text";
