@@ -26,8 +26,8 @@ pub fn execute<'conn>(
 
 /// `execute` under the kept generic plan, for a statement over arrays of a batch's jobs: for a
 /// batch of one its custom plan always looks cheaper than the generic one (the same plan, for an
-/// estimate of ten jobs), so PostgreSQL planned it anew on every call (40 % of the worker's time
-/// at claim_batch_size 1).
+/// estimate of ten jobs), so PostgreSQL planned it anew on every call (47 % of the worker's time
+/// at claim_batch_size 1, once the table is large and analyzed).
 pub fn execute_generic<'conn>(
     client: &mut SpiClient<'conn>,
     query: &str,

@@ -3,8 +3,9 @@
 //! Transaction 1 claims and commits the leases, so a crash after it loses nothing: a job is
 //! claimed again once its lease expires. (A busy worker claims its next batch at the end of
 //! the transaction that runs the last batch, and commits it there: `claim_ahead`.) Then one
-//! transaction per enqueuing role runs that role's handlers (see `execution`): in the worker's own session for the role it is bound to,
-//! in a role runner's session of its own for any other role (see `runner`).
+//! transaction per enqueuing role runs that role's handlers (see `execution`): in the worker's
+//! own session for the role it is bound to, in a role runner's session of its own for any other
+//! role (see `runner`).
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
@@ -224,7 +225,7 @@ thread_local! {
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
-    static CLAIMED_AHEAD: RefCell<Vec<(String, (i64, Uuid))>> = const { RefCell::new(Vec::new()) };
+    static CLAIMED_AHEAD: RefCell<Claimed> = const { RefCell::new(Vec::new()) };
 }
 
 /// The claim of a poll, as (enqueuer, (job, lease token)) in claim order.
