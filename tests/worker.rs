@@ -684,14 +684,7 @@ fn three_jobs_the_second_waiting(client: &mut Client, cluster: &Cluster) -> i64 
         .unwrap()
         .get(0);
     txn.commit().unwrap();
-    let mut watcher = cluster.connect();
-    wait_until(Duration::from_secs(30), "job 2's handler waiting on the lock", || {
-        count(
-            &mut watcher,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
-        ) == 1
-    });
+    wait_for_a_handler_waiting_on_an_advisory_lock(cluster);
     first
 }
 
@@ -902,14 +895,7 @@ fn two_batches_waiting_on(client: &mut Client, cluster: &Cluster, lock: i64, fir
              FROM generate_series(1, 4) g;"
         ))
         .unwrap();
-    let mut watcher = cluster.connect();
-    wait_until(Duration::from_secs(30), "a handler waiting on the lock", || {
-        count(
-            &mut watcher,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
-        ) == 1
-    });
+    wait_for_a_handler_waiting_on_an_advisory_lock(cluster);
 }
 
 /// A worker whose claim was full claims its next batch in the transaction that runs and
@@ -945,7 +931,9 @@ fn a_busy_worker_claims_its_next_batch_in_the_transaction_of_the_batch_before() 
 /// (logged) and its jobs ran again, one transaction each.
 #[test]
 fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"));
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"
+    ));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4246, true);
     let mut holder = cluster.connect();
@@ -1030,7 +1018,9 @@ fn the_workers_statements_are_planned_once_not_per_job() {
 /// shows itself switched off once it has given them back.)
 #[test]
 fn jobs_claimed_ahead_go_back_to_the_queue_when_the_worker_is_switched_off() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"));
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 2\ndurable_jobs.retention_period = 0\n"
+    ));
     let mut client = cluster.connect();
     two_batches_waiting_on(&mut client, &cluster, 4247, true);
     client.execute("ALTER SYSTEM SET durable_jobs.worker_enabled = off", &[]).unwrap();
@@ -1089,4 +1079,16 @@ fn a_claim_ahead_takes_the_jobs_enqueued_while_its_batch_ran() {
         .collect();
     assert_eq!(urgent, count(&mut client, "SELECT max(job_id) FROM durable_jobs.durable_job"));
     assert_eq!(batches, [vec![1, 2], vec![3, 5], vec![4]]);
+}
+
+/// Waits until the (one) background worker's handler waits for an advisory lock.
+fn wait_for_a_handler_waiting_on_an_advisory_lock(cluster: &Cluster) {
+    let mut watcher = cluster.connect();
+    wait_until(Duration::from_secs(30), "a handler waiting on an advisory lock", || {
+        count(
+            &mut watcher,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
+        ) == 1
+    });
 }
