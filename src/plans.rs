@@ -14,14 +14,19 @@ thread_local! {
 }
 
 /// Executes `query` with `args`, preparing it on first use with the argument types of `args`
-/// (every caller of one query passes the same types).
+/// (every caller of one query passes the same types). It runs read-write (the kept plan is
+/// prepared as mutating), but not through pgrx's `update`, which gives the transaction an xid
+/// before the statement runs: a claim, prune or cancel that changes no row then needs no xid,
+/// so an idle worker's polls write no commit record and wait for no WAL flush, and a read takes
+/// none (a waiter would otherwise stand as a running transaction in every snapshot taken while
+/// it sleeps). Each execution takes a fresh snapshot, as a read-write SPI statement does.
 pub fn execute<'conn>(
     client: &mut SpiClient<'conn>,
     query: &str,
     args: &[DatumWithOid],
 ) -> SpiTupleTable<'conn> {
     let plan = kept(client, query, args);
-    client.update(&*plan, None, args).expect(query)
+    client.select(&*plan, None, args).expect(query)
 }
 
 /// `execute` under the kept generic plan, for a statement over arrays of a batch's jobs: for a
@@ -42,21 +47,9 @@ pub fn execute_generic<'conn>(
     }
 }
 
-/// Executes a statement that writes nothing, as `execute` would (under a fresh snapshot), but
-/// without pgrx's `update`, which assigns the transaction an xid: a read must not get one (a
-/// waiter would then stand as a running transaction in every snapshot taken while it sleeps,
-/// and each call would write a commit record).
-pub fn read<'conn>(
-    client: &mut SpiClient<'conn>,
-    query: &str,
-    args: &[DatumWithOid],
-) -> SpiTupleTable<'conn> {
-    let plan = kept(client, query, args);
-    with_fresh_snapshot(|| client.select(&*plan, None, args)).expect(query)
-}
-
-/// Runs `f` under a new snapshot: an SPI read in a transaction without an xid runs read-only,
-/// on the active snapshot, which would otherwise be the calling statement's, however old.
+/// Runs `f` under a new snapshot: a one-off SPI read (not a kept plan) in a transaction without
+/// an xid runs read-only, on the active snapshot, which would otherwise be the calling
+/// statement's, however old.
 pub fn with_fresh_snapshot<R>(f: impl FnOnce() -> R) -> R {
     unsafe { pgrx::pg_sys::PushActiveSnapshot(pgrx::pg_sys::GetTransactionSnapshot()) };
     let result = f();

@@ -4,6 +4,7 @@
 //! external workers do the same from a scheduler.
 
 use crate::arguments;
+use crate::plans;
 use crate::privilege::{as_extension_owner_of, Installed};
 use pgrx::prelude::*;
 
@@ -40,11 +41,9 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
     Spi::connect_mut(|client| {
         let args = [older_than.into(), limit.into()];
         if installed.has_status_api {
-            client.update(DELETE_OLD_AUDIT, None, &args).expect("delete old audit rows");
+            plans::execute(client, DELETE_OLD_AUDIT, &args);
         }
-        let deleted: Vec<i64> = client
-            .update(DELETE_FINISHED, None, &args)
-            .expect("delete finished jobs")
+        let deleted: Vec<i64> = plans::execute(client, DELETE_FINISHED, &args)
             .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))
             .collect();
         // Their waiters learn at the commit that they are gone.

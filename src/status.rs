@@ -66,7 +66,7 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let rows = plans::read(
+            let rows = plans::execute(
                 client,
                 GET_WITH_VERSION,
                 &[job_id.into(), sees_all.into(), caller.role_oid.into()],
@@ -371,7 +371,7 @@ fn list_durable_jobs(
                     true => (ENQUEUING_ROLES, vec![]),
                     false => (VISIBLE_ROLES, vec![caller.role_oid.into()]),
                 };
-                plans::read(client, statement, &args)
+                plans::execute(client, statement, &args)
                     .first()
                     .get_one::<Vec<String>>()
                     .expect("roles")

@@ -507,10 +507,10 @@ fn prune_finished_jobs() {
 /// Whether this database has the extension at the version of this library; an older schema
 /// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
 fn extension_ready() -> bool {
-    // A read (Spi::get_one would give every idle poll's transaction an xid and a commit record),
-    // with a kept plan: it runs once per poll.
+    // A kept plan (it runs once per poll), run without an xid (Spi::get_one would give every
+    // idle poll's transaction one, and a commit record).
     Spi::connect_mut(|client| {
-        plans::read(
+        plans::execute(
             client,
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
                             WHERE extname = 'durable_jobs' AND extversion = $1)",

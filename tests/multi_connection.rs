@@ -305,6 +305,29 @@ fn documented_roles_can_do_exactly_their_part() {
 }
 
 #[test]
+fn polling_an_empty_queue_takes_no_transaction_id() {
+    // An external worker polls in a loop: a claim, prune or cancel that changes nothing must not
+    // cost a transaction id, a commit record and a WAL flush each time.
+    let cluster = Cluster::start("");
+    let mut client = cluster.connect();
+    let job = enqueue(&mut client, "done", 1)[0];
+    let claimed = claim(&mut client, "w", 60).expect("the job");
+    assert_eq!(complete(&mut client, &claimed, "w"), "succeeded");
+    let calls = [
+        "SELECT count(*) FROM durable_jobs.claim_next_durable_job('w')".to_string(),
+        "SELECT durable_jobs.prune_durable_jobs('1 hour')".to_string(),
+        format!("SELECT durable_jobs.cancel_durable_job({job})"),
+    ];
+    for call in calls {
+        let mut transaction = client.transaction().unwrap();
+        transaction.query(call.as_str(), &[]).unwrap();
+        let xid: Option<String> =
+            transaction.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
+        assert_eq!(xid, None, "{call} took a transaction id");
+    }
+}
+
+#[test]
 fn intake_switch_stops_enqueue_but_not_claims() {
     let cluster = Cluster::start("");
     let mut client = cluster.connect();

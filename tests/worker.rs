@@ -1092,3 +1092,26 @@ fn wait_for_a_handler_waiting_on_an_advisory_lock(cluster: &Cluster) {
         ) == 1
     });
 }
+
+/// The next transaction id the cluster will hand out.
+fn next_xid(client: &mut Client) -> i64 {
+    count(client, "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+}
+
+#[test]
+fn an_idle_worker_takes_no_transaction_ids() {
+    // Pruning every second too; autovacuum off, so that nothing else in the cluster takes any.
+    let cluster =
+        Cluster::start(&format!("{WORKER_CONF}durable_jobs.retention_period = 1\nautovacuum = off\n"));
+    let mut client = cluster.connect();
+    let idle_polls = metric(&mut client, "idle_polls");
+    let xid = next_xid(&mut client);
+    // 40 polls at 50 ms apart, and two or more pruning rounds.
+    let started = std::time::Instant::now();
+    wait_until(Duration::from_secs(60), "40 idle polls and 2.5 s", || {
+        metric(&mut client, "idle_polls") >= idle_polls + 40
+            && started.elapsed() >= Duration::from_millis(2500)
+    });
+    // Each took one, with its commit record and WAL flush, before 0.4.0.
+    assert_eq!(next_xid(&mut client) - xid, 0, "transaction ids taken by an idle worker");
+}
