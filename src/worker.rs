@@ -81,24 +81,15 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             enabled && poll_once(number, &worker_id, !prune_due)
         })
         .unwrap_or(false);
-        // Some(false): the claim ahead found the queue empty, and was this poll's last look.
-        let claimed_ahead = CLAIMED_AHEAD.with(|ahead| ahead.borrow().as_ref().map(|jobs| !jobs.is_empty()));
+        let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().is_empty());
         // Retention does not depend on whether jobs run: pruning goes on with the worker off.
-        if prune_due && claimed_ahead != Some(true) {
+        if prune_due && !claimed_ahead {
             in_transaction_or_logged("pruning", prune_finished_jobs);
             last_prune = Instant::now();
         }
-        match claimed_ahead {
-            // Jobs claimed ahead run next, whatever else this poll met.
-            Some(true) => continue,
-            // No claim again before the sleep: an enqueue committed since that claim's snapshot
-            // sets the latch after the worker last reset it, so the sleep ends at once.
-            Some(false) => {
-                CLAIMED_AHEAD.with(|ahead| ahead.borrow_mut().take());
-                metrics::count(Counter::IdlePolls);
-            }
-            None if found_job => continue,
-            None => {}
+        // Jobs claimed ahead run next, whatever else this poll met.
+        if found_job || claimed_ahead {
+            continue;
         }
         let wait = || BackgroundWorker::wait_latch(Some(settings::poll_interval()));
         if !in_transaction_or_logged("wait", wait).unwrap_or(true) {
@@ -233,8 +224,8 @@ thread_local! {
     /// The role whose handlers this worker's own session runs: that of the first batch it ran.
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
-    /// the next poll (see `claim_ahead`); none claimed: the queue had no job for it then.
-    static CLAIMED_AHEAD: RefCell<Option<Claimed>> = const { RefCell::new(None) };
+    /// the next poll (see `claim_ahead`).
+    static CLAIMED_AHEAD: RefCell<Claimed> = const { RefCell::new(Vec::new()) };
 }
 
 /// The claim of a poll, as (enqueuer, (job, lease token)) in claim order.
@@ -250,10 +241,9 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
 /// full batch for the last claim: its leases commit with that batch's outcome, so a busy worker
 /// pays one durable commit per batch instead of two, and the claim still commits before any of
-/// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing. None
-/// when it did not claim.
-fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
-    let mut claimed = None;
+/// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing.
+fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
+    let mut claimed = Vec::new();
     // A shutdown under way: the claim's lock waits and interrupt checks could only cost the
     // batch before it its commit.
     if !settings::WORKER_ENABLED.get() || unsafe { pg_sys::ProcDiePending } != 0 {
@@ -263,7 +253,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
         // Asked again here: under a steady load no poll claims on its own, and a schema of
         // another version is left alone (see `extension_ready`).
         if extension_ready() {
-            claimed = Some(claim_batch(worker_id, lease_seconds));
+            claimed = claim_batch(worker_id, lease_seconds);
         }
         true
     }) {
@@ -277,7 +267,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
 
 /// Gives back jobs claimed ahead that will not run now (the worker was switched off).
 fn give_back_claimed_ahead(worker_id: &str) {
-    let ahead = CLAIMED_AHEAD.with(|ahead| ahead.borrow_mut().take()).unwrap_or_default();
+    let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
     let jobs: Vec<(i64, Uuid)> = ahead.into_iter().map(|(_, job)| job).collect();
     give_back(&jobs, worker_id);
 }
@@ -287,12 +277,11 @@ fn give_back_claimed_ahead(worker_id: &str) {
 /// lets the last batch claim the next (`claim_ahead`). Returns whether any job was claimed.
 fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     let lease_seconds = settings::default_lease_seconds();
-    let ahead = CLAIMED_AHEAD.with(|ahead| ahead.borrow_mut().take()).filter(|jobs| !jobs.is_empty());
-    let claimed = match ahead {
-        None => {
-            BackgroundWorker::transaction(|| extension_ready().then(|| claim_batch(worker_id, lease_seconds)))
-        }
-        jobs => jobs,
+    let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
+    let claimed = if ahead.is_empty() {
+        BackgroundWorker::transaction(|| extension_ready().then(|| claim_batch(worker_id, lease_seconds)))
+    } else {
+        Some(ahead)
     };
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
@@ -411,13 +400,13 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
         in_transaction(|| {
             BackgroundWorker::transaction(|| {
                 let tally = execution::run_jobs(jobs, later, worker_id, lease_seconds, completion);
-                let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { None };
+                let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { Vec::new() };
                 (tally, claimed)
             })
         })
         // Kept only once committed: a claim rolled back with its transaction never happened.
         .map(|(tally, claimed)| {
-            if claimed.is_some() {
+            if !claimed.is_empty() {
                 CLAIMED_AHEAD.with(|ahead| *ahead.borrow_mut() = claimed);
             }
             tally
