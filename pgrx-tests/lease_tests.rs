@@ -511,3 +511,35 @@ fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key() {
         assert_finds_jobs_by_primary_key_only(name, &plan);
     }
 }
+
+/// The load of a batch looks each handler and its roles up once per kind and enqueuer, however
+/// many jobs share them. Failed before: the registration was read once per job (three times
+/// here), with the handler's routine and both roles, which was most of the load's time.
+#[pg_test]
+fn the_load_of_a_batch_looks_each_handler_up_once() {
+    Spi::run(
+        "CREATE FUNCTION public.dj_noop(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         SELECT durable_jobs.register_durable_job_handler('k', 'public.dj_noop(jsonb)');
+         SELECT durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[3]));",
+    )
+    .unwrap();
+    let (ids, tokens): (Vec<i64>, Vec<pgrx::Uuid>) = (0..3).map(|_| claim("w").unwrap()).unzip();
+    let plan = Spi::get_one_with_args::<pgrx::Json>(
+        &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::execution::LOAD_JOBS),
+        &[ids.into(), tokens.into(), "w".into()],
+    )
+    .unwrap()
+    .unwrap()
+    .0
+    .to_string();
+    let lookups = |relation: &str| {
+        Spi::get_one_with_args::<i64>(
+            r#"SELECT sum((n ->> 'Actual Loops')::bigint)::bigint
+               FROM jsonb_path_query($1::jsonb, 'strict $.** ? (@."Relation Name" == $r)', jsonb_build_object('r', $2)) AS n"#,
+            &[plan.clone().into(), relation.into()],
+        )
+        .unwrap()
+    };
+    assert_eq!(lookups("durable_job_handler"), Some(1), "{plan}");
+    assert_eq!(lookups("pg_proc"), Some(1), "{plan}");
+}

@@ -26,30 +26,39 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// whether that is a procedure, the enqueuing role, its lease expiry (Unix microseconds), and
 /// whether it may run: the enqueuer may execute the handler, the handler returns no set, and its
 /// owner is a superuser or, for an enqueuer that is not one, a role whose privileges the
-/// enqueuer has (itself or a role it is a member of).
+/// enqueuer has (itself or a role it is a member of). The handler and roles are looked up once
+/// per kind and enqueuer of the batch, not per job: those catalog lookups were most of the load.
 pub(crate) const LOAD_JOBS: &str = "
-    SELECT j.job_id,
-           j.payload,
-           p.oid,
-           p.prokind = 'p',
-           r.oid,
-           (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8,
-           COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
-                    AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
-                    false),
-           j.job_kind,
-           j.attempt_count
-    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-         AS c(job_id, lease_token)
-    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    -- Per job of the batch: a registration row someone broke by hand fails only its own jobs.
-    LEFT JOIN pg_catalog.pg_proc p ON p.oid = (SELECT pg_catalog.to_regprocedure(h.handler)
-                                               FROM durable_jobs.durable_job_handler h
-                                               WHERE h.job_kind = j.job_kind)
-    LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
-    LEFT JOIN pg_catalog.pg_roles r ON r.rolname = j.enqueued_by
-    -- The token is the state check (see lease_fence in lease.rs).
-    WHERE j.lease_owner = $3";
+    WITH batch AS MATERIALIZED (
+        SELECT j.job_id, j.payload, j.lease_expires_at, j.job_kind, j.attempt_count, j.enqueued_by
+        FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+             AS c(job_id, lease_token)
+        JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
+        -- The token is the state check (see lease_fence in lease.rs).
+        WHERE j.lease_owner = $3),
+    handlers AS MATERIALIZED (
+        SELECT k.job_kind, k.enqueued_by, p.oid AS routine, p.prokind = 'p' AS is_procedure, r.oid AS role,
+               COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
+                        AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
+                        false) AS may_run
+        FROM (SELECT DISTINCT job_kind, enqueued_by FROM batch) k
+        -- Per kind: a registration row someone broke by hand fails only its own jobs.
+        LEFT JOIN pg_catalog.pg_proc p ON p.oid = (SELECT pg_catalog.to_regprocedure(h.handler)
+                                                   FROM durable_jobs.durable_job_handler h
+                                                   WHERE h.job_kind = k.job_kind)
+        LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
+        LEFT JOIN pg_catalog.pg_roles r ON r.rolname = k.enqueued_by)
+    SELECT b.job_id,
+           b.payload,
+           h.routine,
+           h.is_procedure,
+           h.role,
+           (pg_catalog.date_part('epoch', b.lease_expires_at) * 1000000)::pg_catalog.int8,
+           h.may_run,
+           b.job_kind,
+           b.attempt_count
+    FROM batch b
+    JOIN handlers h ON h.job_kind = b.job_kind AND h.enqueued_by = b.enqueued_by";
 
 /// The search_path handlers run with, whatever the session's: `pg_temp` last, so that no
 /// temporary object can capture a handler's unqualified names.
