@@ -464,25 +464,26 @@ pub fn claim_jobs(
                     (false, false) => CLAIM_ON_OLD_SCHEMA,
                 };
                 let mut expired = Vec::new();
-                let claimed: Vec<ClaimedJob> = plans::execute(client, &with_limit(statement, count), &args)
-                    .filter(|row| {
-                        let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
-                        if !is_claimed {
-                            expired.push(row.get::<i64>(1).unwrap().unwrap());
-                        }
-                        is_claimed
-                    })
-                    .map(|row| ClaimedJob {
-                        job_id: row.get(1).unwrap().unwrap(),
-                        lease_token: row.get(2).unwrap().unwrap(),
-                        lease_expires_at: row.get(3).unwrap().unwrap(),
-                        job_kind: row.get(4).unwrap().unwrap(),
-                        payload: row.get(5).unwrap().unwrap(),
-                        attempt_count: row.get(6).unwrap().unwrap(),
-                        max_attempts: row.get(7).unwrap().unwrap(),
-                        enqueued_by: row.get(8).unwrap().unwrap(),
-                    })
-                    .collect();
+                let claimed: Vec<ClaimedJob> =
+                    plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
+                        .filter(|row| {
+                            let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
+                            if !is_claimed {
+                                expired.push(row.get::<i64>(1).unwrap().unwrap());
+                            }
+                            is_claimed
+                        })
+                        .map(|row| ClaimedJob {
+                            job_id: row.get(1).unwrap().unwrap(),
+                            lease_token: row.get(2).unwrap().unwrap(),
+                            lease_expires_at: row.get(3).unwrap().unwrap(),
+                            job_kind: row.get(4).unwrap().unwrap(),
+                            payload: row.get(5).unwrap().unwrap(),
+                            attempt_count: row.get(6).unwrap().unwrap(),
+                            max_attempts: row.get(7).unwrap().unwrap(),
+                            enqueued_by: row.get(8).unwrap().unwrap(),
+                        })
+                        .collect();
                 waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);
                 waiters::wake_waiters_at_commit(expired, Change::Terminal);
                 claimed

@@ -38,10 +38,37 @@ pub fn execute_generic<'conn>(
     query: &str,
     args: &[DatumWithOid],
 ) -> SpiTupleTable<'conn> {
+    with_settings(&[(c"plan_cache_mode", c"force_generic_plan")], || execute(client, query, args))
+}
+
+/// `execute` for a claim, planned with no sort and no bitmap scan, so that its only plan reads
+/// the claim-order index in order and stops at the limit. The planner cannot know how many
+/// candidates pass the claim's filters (clock comparisons, anti-joins, the handler check) and
+/// guesses a few hundred: with a backlog of a few thousand jobs among many finished ones it
+/// fetched and sorted the whole backlog for every claim (10 ms for 50 of 5,000 jobs, against
+/// 0.2 ms in order).
+pub fn execute_in_claim_order<'conn>(
+    client: &mut SpiClient<'conn>,
+    query: &str,
+    args: &[DatumWithOid],
+) -> SpiTupleTable<'conn> {
+    with_settings(CLAIM_PLANNER_SETTINGS, || execute(client, query, args))
+}
+
+/// The planner settings of a claim (see `execute_in_claim_order`). They apply to every planning
+/// of its kept plan, the first and any after an invalidation (an ANALYZE of the job table).
+pub const CLAIM_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] =
+    &[(c"enable_sort", c"off"), (c"enable_bitmapscan", c"off")];
+
+/// Runs `f` with `settings` in a GUC nest level of its own; an error unwinds them with the
+/// (sub)transaction.
+fn with_settings<R>(settings: &[(&std::ffi::CStr, &std::ffi::CStr)], f: impl FnOnce() -> R) -> R {
     unsafe {
         let level = pgrx::pg_sys::NewGUCNestLevel();
-        crate::privilege::set_at_this_level(c"plan_cache_mode", c"force_generic_plan");
-        let result = execute(client, query, args);
+        for (name, value) in settings {
+            crate::privilege::set_at_this_level(name, value);
+        }
+        let result = f();
         pgrx::pg_sys::AtEOXact_GUC(true, level);
         result
     }
