@@ -351,9 +351,18 @@ fn lapsed_and_available_jobs_compete_in_claim_order() {
     assert_eq!(order, vec![lapsed_high, available_mid, lapsed_low]);
 }
 
+/// The planner settings a claim runs under (plans::execute_in_claim_order), for this
+/// transaction: a plan explained here is the one a claim gets.
+fn claim_planner_settings() {
+    for (name, value) in crate::plans::CLAIM_PLANNER_SETTINGS {
+        Spi::run(&format!("SET LOCAL {} = {}", name.to_str().unwrap(), value.to_str().unwrap())).unwrap();
+    }
+}
+
 #[pg_test]
 fn the_claim_is_an_index_scan_in_claim_order() {
     a_large_analyzed_queue();
+    claim_planner_settings();
     // Any kind, and one kind.
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
@@ -388,9 +397,7 @@ fn a_large_analyzed_queue() {
 fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
-    for (name, value) in crate::plans::CLAIM_PLANNER_SETTINGS {
-        Spi::run(&format!("SET LOCAL {} = {}", name.to_str().unwrap(), value.to_str().unwrap())).unwrap();
-    }
+    claim_planner_settings();
     for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
             Spi::run(&format!(
@@ -514,6 +521,59 @@ fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key() {
         assert_eq!(estimated_ten, Some(true), "{name}: a generic plan: {plan}");
         assert_finds_jobs_by_primary_key_only(name, &plan);
     }
+}
+
+/// A claim's planner settings end with it: the caller's session plans as it did, its own
+/// settings included (set without a nest level of their own, they would outlive the claim).
+#[pg_test]
+fn a_claim_leaves_the_sessions_planner_settings_as_they_were() {
+    enqueue("k", "{}");
+    Spi::run("SET LOCAL enable_bitmapscan = off").unwrap();
+    assert!(claim("w").is_some());
+    assert_eq!(one::<String>("SELECT current_setting('enable_sort')"), "on");
+    assert_eq!(one::<String>("SELECT current_setting('enable_bitmapscan')"), "off");
+    Spi::run("RESET enable_bitmapscan").unwrap();
+    assert!(claim("w").is_none());
+    assert_eq!(one::<String>("SELECT current_setting('enable_bitmapscan')"), "on");
+}
+
+/// A claim checks a candidate's queue by name (one index lookup), not against a list of the
+/// paused queues: a claim reads its candidates in claim order, which rules out a hash join, so
+/// such a list was read through for every candidate (a thousand paused tenant queues: a
+/// thousand comparisons per job read). Failed before: the list held the 100 paused queues.
+#[pg_test]
+fn a_claim_compares_no_candidate_with_a_list_of_paused_queues() {
+    Spi::run(
+        "SELECT durable_jobs.pause_durable_job_queue('paused_' || g) FROM generate_series(1, 100) g;
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'paused_1');
+         SELECT durable_jobs.enqueue_durable_job('k', '{}');",
+    )
+    .unwrap();
+    claim_planner_settings();
+    Spi::run(&format!(
+        "PREPARE claim_now(text[], text, float8, bool, text[]) AS {}",
+        crate::lease::with_limit(crate::lease::CLAIM, 50)
+    ))
+    .unwrap();
+    let plan = Spi::get_one::<pgrx::Json>("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_now(NULL, 'w', 60, false, NULL)")
+        .unwrap()
+        .unwrap()
+        .0
+        .to_string();
+    let rows = |path: &str| {
+        Spi::get_one_with_args::<i64>(
+            &format!("SELECT coalesce(sum((n ->> 'Actual Rows')::bigint), 0)::bigint FROM jsonb_path_query($1::jsonb, '{path}') AS n"),
+            &[plan.clone().into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    // The lists of queues the candidates are compared with: every CTE but the claim's steps.
+    let listed = rows(
+        r#"strict $.** ? (@."Subplan Name" like_regex "^CTE " && !(@."Subplan Name" like_regex "^CTE (exhausted|expired|candidate|claimed)$"))"#,
+    );
+    assert_eq!(listed, 0, "{plan}");
+    assert_eq!(rows(r#"strict $.** ? (@."Subplan Name" == "CTE claimed")"#), 1, "the open queue's job: {plan}");
 }
 
 /// The load of a batch looks each handler and its roles up once per kind and enqueuer, however

@@ -45,8 +45,8 @@ pub fn execute_generic<'conn>(
 /// the claim-order index in order and stops at the limit. The planner cannot know how many
 /// candidates pass the claim's filters (clock comparisons, anti-joins, the handler check) and
 /// guesses a few hundred: with a backlog of a few thousand jobs among many finished ones it
-/// fetched and sorted the whole backlog for every claim (10 ms for 50 of 5,000 jobs, against
-/// 0.2 ms in order).
+/// fetched and sorted the whole backlog for every claim (4.4 ms per claim of 50 with 5,000
+/// waiting among 40,000 finished jobs, against 0.7 ms in order).
 pub fn execute_in_claim_order<'conn>(
     client: &mut SpiClient<'conn>,
     query: &str,
