@@ -537,45 +537,6 @@ fn a_claim_leaves_the_sessions_planner_settings_as_they_were() {
     assert_eq!(one::<String>("SELECT current_setting('enable_bitmapscan')"), "on");
 }
 
-/// A claim checks a candidate's queue by name (one index lookup), not against a list of the
-/// paused queues: a claim reads its candidates in claim order, which rules out a hash join, so
-/// such a list was read through for every candidate (a thousand paused tenant queues: a
-/// thousand comparisons per job read). Failed before: the list held the 100 paused queues.
-#[pg_test]
-fn a_claim_compares_no_candidate_with_a_list_of_paused_queues() {
-    Spi::run(
-        "SELECT durable_jobs.pause_durable_job_queue('paused_' || g) FROM generate_series(1, 100) g;
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'paused_1');
-         SELECT durable_jobs.enqueue_durable_job('k', '{}');",
-    )
-    .unwrap();
-    claim_planner_settings();
-    Spi::run(&format!(
-        "PREPARE claim_now(text[], text, float8, bool, text[]) AS {}",
-        crate::lease::with_limit(crate::lease::CLAIM, 50)
-    ))
-    .unwrap();
-    let plan = Spi::get_one::<pgrx::Json>("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_now(NULL, 'w', 60, false, NULL)")
-        .unwrap()
-        .unwrap()
-        .0
-        .to_string();
-    let rows = |path: &str| {
-        Spi::get_one_with_args::<i64>(
-            &format!("SELECT coalesce(sum((n ->> 'Actual Rows')::bigint), 0)::bigint FROM jsonb_path_query($1::jsonb, '{path}') AS n"),
-            &[plan.clone().into()],
-        )
-        .unwrap()
-        .unwrap()
-    };
-    // The lists of queues the candidates are compared with: every CTE but the claim's steps.
-    let listed = rows(
-        r#"strict $.** ? (@."Subplan Name" like_regex "^CTE " && !(@."Subplan Name" like_regex "^CTE (exhausted|expired|candidate|claimed)$"))"#,
-    );
-    assert_eq!(listed, 0, "{plan}");
-    assert_eq!(rows(r#"strict $.** ? (@."Subplan Name" == "CTE claimed")"#), 1, "the open queue's job: {plan}");
-}
-
 /// The load of a batch looks each handler and its roles up once per kind and enqueuer, however
 /// many jobs share them. Failed before: the registration was read once per job (three times
 /// here), with the handler's routine and both roles, which was most of the load's time.

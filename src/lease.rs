@@ -70,14 +70,13 @@ macro_rules! claim_statement {
                 "
                     FROM exhausted WHERE x.job_id = exhausted.job_id
                     RETURNING x.job_id),
-                -- Limited queues at their limit, counted once per claim. Anti-joins keep the claim an
-                -- index scan; a paused queue is a lookup by name (a claim reads its candidates in order,
-                -- so a list of many paused queues would be read through for each), and a limited queue
-                -- with room left is checked under its lock.
-                full_queue AS MATERIALIZED (
+                -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
+                -- the claim an index scan; a limited queue with room left is checked under its lock.
+                closed AS MATERIALIZED (
                     SELECT q.queue_name FROM durable_jobs.durable_job_queue q
-                    WHERE q.concurrency_limit IS NOT NULL
-                      AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit),
+                    WHERE q.paused
+                       OR (q.concurrency_limit IS NOT NULL
+                           AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
                 candidate AS (
                     SELECT job_id FROM durable_jobs.durable_job
                     WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
@@ -85,12 +84,10 @@ macro_rules! claim_statement {
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
                                AND attempt_count < max_attempts))
                       AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-                      AND NOT EXISTS (SELECT 1 FROM full_queue WHERE full_queue.queue_name = durable_job.queue_name)
+                      AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
                       AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
-                                      WHERE q.queue_name = durable_job.queue_name
-                                        AND (q.paused
-                                             OR (q.concurrency_limit IS NOT NULL
-                                                 AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))))
+                                      WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
+                                        AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
                       ",
                         $kind_filter,
                         "
