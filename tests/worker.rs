@@ -964,6 +964,24 @@ fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
     assert!(!log.contains("failed as a whole"), "{log}");
 }
 
+/// A worker's cluster whose statements pg_stat_statements counts (autovacuum off), with a
+/// handler `nothing` registered; `extra_conf` comes after the worker's settings.
+fn cluster_with_statement_stats(extra_conf: &str) -> (Cluster, Client) {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}{extra_conf}shared_preload_libraries = 'durable_jobs, pg_stat_statements'\n\
+         pg_stat_statements.track = all\nautovacuum = off\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE EXTENSION pg_stat_statements;
+             CREATE FUNCTION public.nothing(payload jsonb) RETURNS void LANGUAGE plpgsql AS 'BEGIN END';
+             SELECT durable_jobs.register_durable_job_handler('nothing', 'public.nothing(jsonb)');",
+        )
+        .unwrap();
+    (cluster, client)
+}
+
 /// The worker's statements keep their plans: at claim_batch_size 1 its load of the batch (over
 /// arrays of one job) was planned anew for every job, since the custom plan for one job always
 /// looks cheaper than the generic plan for ten (40 % of the worker's time at batch 1). Failed
@@ -971,18 +989,10 @@ fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
 /// times, more after an invalidation: the bound is half the calls, autovacuum is off.)
 #[test]
 fn the_workers_statements_are_planned_once_not_per_job() {
-    let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}shared_preload_libraries = 'durable_jobs, pg_stat_statements'\n\
-         pg_stat_statements.track = all\npg_stat_statements.track_planning = on\n\
-         autovacuum = off\n"
-    ));
-    let mut client = cluster.connect();
+    let (_cluster, mut client) = cluster_with_statement_stats("pg_stat_statements.track_planning = on\n");
     client
         .batch_execute(
-            "CREATE EXTENSION pg_stat_statements;
-             CREATE FUNCTION public.nothing(payload jsonb) RETURNS void LANGUAGE plpgsql AS 'BEGIN END';
-             SELECT durable_jobs.register_durable_job_handler('nothing', 'public.nothing(jsonb)');
-             -- A large table, analyzed: what makes the generic plan look dearer than a custom one.
+            "-- A large table, analyzed: what makes the generic plan look dearer than a custom one.
              SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('no_handler', array_fill('{}'::jsonb, ARRAY[20000]));
              ANALYZE durable_jobs.durable_job;
              SELECT pg_stat_statements_reset();",
@@ -1007,18 +1017,12 @@ fn the_workers_statements_are_planned_once_not_per_job() {
 /// per claim of 50, the drain at 8,100 jobs/s against 21,000 for the same backlog alone).
 #[test]
 fn the_workers_claim_reads_the_head_of_a_backlog_among_many_finished_jobs() {
-    let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.worker_enabled = off\ndurable_jobs.claim_batch_size = 50\n\
-         shared_preload_libraries = 'durable_jobs, pg_stat_statements'\n\
-         pg_stat_statements.track = all\nautovacuum = off\n"
-    ));
-    let mut client = cluster.connect();
+    let (_cluster, mut client) = cluster_with_statement_stats(
+        "durable_jobs.worker_enabled = off\ndurable_jobs.claim_batch_size = 50\n",
+    );
     client
         .batch_execute(
-            "CREATE EXTENSION pg_stat_statements;
-             CREATE FUNCTION public.nothing(payload jsonb) RETURNS void LANGUAGE plpgsql AS 'BEGIN END';
-             SELECT durable_jobs.register_durable_job_handler('nothing', 'public.nothing(jsonb)');
-             SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('nothing', array_fill('{}'::jsonb, ARRAY[45000]));
+            "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('nothing', array_fill('{}'::jsonb, ARRAY[45000]));
              -- The first 40,000 as if a worker had run them.
              UPDATE durable_jobs.durable_job SET job_state = 'succeeded', payload = NULL, finished_at = now()
              WHERE job_id <= (SELECT min(job_id) + 39999 FROM durable_jobs.durable_job);
