@@ -1013,7 +1013,7 @@ fn the_workers_statements_are_planned_once_not_per_job() {
 /// The worker's claim reads the head of the claim order and stops at its batch, whatever the
 /// statistics say. A busy queue keeps its finished jobs (retention): with 40,000 of them and a
 /// backlog of 5,000, the planner guessed that few jobs pass the claim's filters and fetched and
-/// sorted the whole backlog for every claim. Failed before: 234 buffers per job claimed (4.4 ms
+/// sorted the whole backlog for every claim. Failed before: 266 buffers per job claimed (4.4 ms
 /// per claim of 50, the drain at 8,100 jobs/s against 21,000 for the same backlog alone).
 #[test]
 fn the_workers_claim_reads_the_head_of_a_backlog_among_many_finished_jobs() {
