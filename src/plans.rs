@@ -29,17 +29,25 @@ pub fn execute<'conn>(
     client.select(&*plan, None, args).expect(query)
 }
 
-/// `execute` under the kept generic plan, for a statement over arrays of a batch's jobs: for a
-/// batch of one its custom plan always looks cheaper than the generic one (the same plan, for an
-/// estimate of ten jobs), so PostgreSQL planned it anew on every call (47 % of the worker's time
-/// at claim_batch_size 1, once the table is large and analyzed).
+/// `execute` under the kept generic plan, for a statement over arrays of a batch's jobs (see
+/// `BATCH_PLANNER_SETTINGS`).
 pub fn execute_generic<'conn>(
     client: &mut SpiClient<'conn>,
     query: &str,
     args: &[DatumWithOid],
 ) -> SpiTupleTable<'conn> {
-    with_settings(&[(c"plan_cache_mode", c"force_generic_plan")], || execute(client, query, args))
+    with_settings(BATCH_PLANNER_SETTINGS, || execute(client, query, args))
 }
+
+/// The planner settings of a statement over a batch's jobs. A generic plan: for a batch of one
+/// its custom plan always looks cheaper than the generic one (the same plan, for an estimate of
+/// ten jobs), so PostgreSQL planned it anew on every call (47 % of the worker's time at
+/// claim_batch_size 1, once the table is large and analyzed). No sequential scan: planned while
+/// the job table looked small (no statistics yet, after an install or a TRUNCATE), the kept
+/// plan read the whole table for every batch, and went on doing so as the table grew, until
+/// autovacuum analyzed it.
+pub const BATCH_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] =
+    &[(c"plan_cache_mode", c"force_generic_plan"), (c"enable_seqscan", c"off")];
 
 /// `execute` for a claim, planned with no sort and no bitmap scan, so that its only plan reads
 /// the claim-order index in order and stops at the limit. The planner cannot know how many
