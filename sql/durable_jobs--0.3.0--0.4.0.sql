@@ -1,8 +1,9 @@
 -- durable_jobs 0.3.0 to 0.4.0: the status API, and a claim that filters by kind. Every job
 -- gets state_version 1, replay_count 0 and no SQLSTATE; from now on every enqueued payload keeps
--- its fingerprint (replay compares against it). Two listing indexes are built over the job table while the update holds its
--- lock. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result
--- equals a fresh 0.4.0 install.
+-- its fingerprint (replay compares against it). The table's constraints call C functions of the
+-- library. Two listing indexes are built over the job table while the update holds its lock.
+-- Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result equals a
+-- fresh 0.4.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
 -- A constant default: no table rewrite.
@@ -11,14 +12,83 @@ ALTER TABLE durable_jobs.durable_job
     ADD COLUMN last_failure_sqlstate pg_catalog.text,
     ADD COLUMN replay_count pg_catalog.int4 NOT NULL DEFAULT 0;
 
--- Every job enqueued from now on has a fingerprint; a keyed job always had one.
+-- The CHECK constraints call C functions of the library instead of SQL expressions (read back
+-- from their text for every statement that writes the table). Every job enqueued from now on
+-- has a fingerprint; a keyed job always had one. One ALTER: one scan of the table to validate.
+CREATE FUNCTION durable_jobs.durable_job_state_known(job_state pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_state_known';
+CREATE FUNCTION durable_jobs.durable_job_names_not_empty(queue_name pg_catalog.text, job_kind pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_names_not_empty';
+CREATE FUNCTION durable_jobs.durable_job_priority_range(priority pg_catalog.int4)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_priority_range';
+CREATE FUNCTION durable_jobs.durable_job_attempts_within_max(max_attempts pg_catalog.int4, attempt_count pg_catalog.int4)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_attempts_within_max';
+CREATE FUNCTION durable_jobs.durable_job_payload_only_while_pending(job_state pg_catalog.text, payload pg_catalog.jsonb)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_payload_only_while_pending';
+CREATE FUNCTION durable_jobs.durable_job_lease_only_while_running(
+        job_state pg_catalog.text, lease_owner pg_catalog.text, lease_token pg_catalog.uuid,
+        lease_expires_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_lease_only_while_running';
+CREATE FUNCTION durable_jobs.durable_job_finished_only_when_terminal(
+        job_state pg_catalog.text, finished_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_finished_only_when_terminal';
+CREATE FUNCTION durable_jobs.durable_job_failure_code_known(last_failure_code pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_failure_code_known';
+CREATE FUNCTION durable_jobs.durable_job_status_fields_valid(
+        state_version pg_catalog.int8, replay_count pg_catalog.int4, last_failure_sqlstate pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_status_fields_valid';
+CREATE FUNCTION durable_jobs.durable_job_terminal_row_uncleared(
+        job_state pg_catalog.text, payload pg_catalog.jsonb, finished_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_terminal_row_uncleared';
+REVOKE ALL ON FUNCTION
+    durable_jobs.durable_job_state_known(pg_catalog.text),
+    durable_jobs.durable_job_names_not_empty(pg_catalog.text, pg_catalog.text),
+    durable_jobs.durable_job_priority_range(pg_catalog.int4),
+    durable_jobs.durable_job_attempts_within_max(pg_catalog.int4, pg_catalog.int4),
+    durable_jobs.durable_job_payload_only_while_pending(pg_catalog.text, pg_catalog.jsonb),
+    durable_jobs.durable_job_lease_only_while_running(pg_catalog.text, pg_catalog.text, pg_catalog.uuid, pg_catalog.timestamptz),
+    durable_jobs.durable_job_finished_only_when_terminal(pg_catalog.text, pg_catalog.timestamptz),
+    durable_jobs.durable_job_failure_code_known(pg_catalog.text),
+    durable_jobs.durable_job_status_fields_valid(pg_catalog.int8, pg_catalog.int4, pg_catalog.text),
+    durable_jobs.durable_job_terminal_row_uncleared(pg_catalog.text, pg_catalog.jsonb, pg_catalog.timestamptz)
+    FROM PUBLIC;
 ALTER TABLE durable_jobs.durable_job
+    DROP CONSTRAINT durable_job_state_known,
+    DROP CONSTRAINT durable_job_names_not_empty,
+    DROP CONSTRAINT durable_job_priority_range,
+    DROP CONSTRAINT durable_job_attempts_within_max,
+    DROP CONSTRAINT durable_job_payload_only_while_pending,
+    DROP CONSTRAINT durable_job_lease_only_while_running,
+    DROP CONSTRAINT durable_job_finished_only_when_terminal,
+    DROP CONSTRAINT durable_job_failure_code_known,
     DROP CONSTRAINT durable_job_key_has_fingerprint,
+    ADD CONSTRAINT durable_job_state_known CHECK (durable_jobs.durable_job_state_known(job_state)),
+    ADD CONSTRAINT durable_job_names_not_empty CHECK (durable_jobs.durable_job_names_not_empty(queue_name, job_kind)),
+    ADD CONSTRAINT durable_job_priority_range CHECK (durable_jobs.durable_job_priority_range(priority)),
+    ADD CONSTRAINT durable_job_attempts_within_max CHECK (
+        durable_jobs.durable_job_attempts_within_max(max_attempts, attempt_count)),
+    ADD CONSTRAINT durable_job_payload_only_while_pending CHECK (
+        durable_jobs.durable_job_payload_only_while_pending(job_state, payload)),
+    ADD CONSTRAINT durable_job_lease_only_while_running CHECK (
+        durable_jobs.durable_job_lease_only_while_running(job_state, lease_owner, lease_token, lease_expires_at)),
+    ADD CONSTRAINT durable_job_finished_only_when_terminal CHECK (
+        durable_jobs.durable_job_finished_only_when_terminal(job_state, finished_at)),
+    ADD CONSTRAINT durable_job_failure_code_known CHECK (
+        durable_jobs.durable_job_failure_code_known(last_failure_code)),
     ADD CONSTRAINT durable_job_key_has_fingerprint CHECK (
         idempotency_key IS NULL OR payload_sha256 IS NOT NULL),
     ADD CONSTRAINT durable_job_status_fields_valid CHECK (
-        state_version >= 1 AND replay_count >= 0
-        AND (last_failure_sqlstate IS NULL OR pg_catalog.octet_length(last_failure_sqlstate) = 5));
+        durable_jobs.durable_job_status_fields_valid(state_version, replay_count, last_failure_sqlstate));
 
 CREATE INDEX durable_job_state_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id);
@@ -228,6 +298,5 @@ DROP TRIGGER durable_job_clear_terminal_payload ON durable_jobs.durable_job;
 CREATE TRIGGER durable_job_clear_terminal_payload
     BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
     FOR EACH ROW
-    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled')
-          AND (NEW.payload IS NOT NULL OR NEW.finished_at IS NULL))
+    WHEN (durable_jobs.durable_job_terminal_row_uncleared(NEW.job_state, NEW.payload, NEW.finished_at))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();

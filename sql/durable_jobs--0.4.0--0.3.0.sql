@@ -1,5 +1,6 @@
 -- durable_jobs 0.4.0 back to 0.3.0: drops the status API, its audit table (with what it
--- recorded) and the status columns, and keeps fingerprints only for keyed jobs, as 0.3.0 does.
+-- recorded) and the status columns, keeps fingerprints only for keyed jobs, as 0.3.0 does, and
+-- writes the table's constraints in SQL again.
 -- Every job stays. Run by ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'; tests/upgrade.rs
 -- checks that the result equals a fresh 0.3.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'" to load this file. \quit
@@ -86,12 +87,39 @@ ALTER TABLE durable_jobs.durable_job
     DROP CONSTRAINT durable_job_key_has_fingerprint;
 UPDATE durable_jobs.durable_job SET payload_sha256 = NULL
 WHERE idempotency_key IS NULL AND payload_sha256 IS NOT NULL;
+-- The constraints in SQL again, as 0.3.0 writes them (one scan of the table to validate).
 ALTER TABLE durable_jobs.durable_job
     ADD CONSTRAINT durable_job_key_has_fingerprint CHECK (
         (idempotency_key IS NULL) = (payload_sha256 IS NULL)),
     DROP COLUMN state_version,
     DROP COLUMN last_failure_sqlstate,
-    DROP COLUMN replay_count;
+    DROP COLUMN replay_count,
+    DROP CONSTRAINT durable_job_state_known,
+    DROP CONSTRAINT durable_job_names_not_empty,
+    DROP CONSTRAINT durable_job_priority_range,
+    DROP CONSTRAINT durable_job_attempts_within_max,
+    DROP CONSTRAINT durable_job_payload_only_while_pending,
+    DROP CONSTRAINT durable_job_lease_only_while_running,
+    DROP CONSTRAINT durable_job_finished_only_when_terminal,
+    DROP CONSTRAINT durable_job_failure_code_known,
+    ADD CONSTRAINT durable_job_state_known CHECK (
+        job_state IN ('available', 'running', 'succeeded', 'failed', 'cancelled')),
+    ADD CONSTRAINT durable_job_names_not_empty CHECK (queue_name <> '' AND job_kind <> ''),
+    ADD CONSTRAINT durable_job_priority_range CHECK (priority BETWEEN -1000 AND 1000),
+    ADD CONSTRAINT durable_job_attempts_within_max CHECK (
+        max_attempts BETWEEN 1 AND 1000 AND attempt_count BETWEEN 0 AND max_attempts),
+    ADD CONSTRAINT durable_job_payload_only_while_pending CHECK (
+        (job_state IN ('available', 'running')) = (payload IS NOT NULL)),
+    ADD CONSTRAINT durable_job_lease_only_while_running CHECK (
+        CASE WHEN job_state = 'running'
+             THEN lease_owner IS NOT NULL AND lease_token IS NOT NULL AND lease_expires_at IS NOT NULL
+             ELSE lease_owner IS NULL AND lease_token IS NULL AND lease_expires_at IS NULL END),
+    ADD CONSTRAINT durable_job_finished_only_when_terminal CHECK (
+        (job_state IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL)),
+    ADD CONSTRAINT durable_job_failure_code_known CHECK (
+        last_failure_code IS NULL OR last_failure_code IN (
+            'invalid_request', 'integrity_violation', 'target_rejected',
+            'target_unavailable', 'unexpected_failure', 'lease_expired'));
 
 DROP TRIGGER durable_job_clear_terminal_payload ON durable_jobs.durable_job;
 CREATE TRIGGER durable_job_clear_terminal_payload
@@ -99,3 +127,15 @@ CREATE TRIGGER durable_job_clear_terminal_payload
     FOR EACH ROW
     WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled'))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();
+
+DROP FUNCTION
+    durable_jobs.durable_job_state_known(pg_catalog.text),
+    durable_jobs.durable_job_names_not_empty(pg_catalog.text, pg_catalog.text),
+    durable_jobs.durable_job_priority_range(pg_catalog.int4),
+    durable_jobs.durable_job_attempts_within_max(pg_catalog.int4, pg_catalog.int4),
+    durable_jobs.durable_job_payload_only_while_pending(pg_catalog.text, pg_catalog.jsonb),
+    durable_jobs.durable_job_lease_only_while_running(pg_catalog.text, pg_catalog.text, pg_catalog.uuid, pg_catalog.timestamptz),
+    durable_jobs.durable_job_finished_only_when_terminal(pg_catalog.text, pg_catalog.timestamptz),
+    durable_jobs.durable_job_failure_code_known(pg_catalog.text),
+    durable_jobs.durable_job_status_fields_valid(pg_catalog.int8, pg_catalog.int4, pg_catalog.text),
+    durable_jobs.durable_job_terminal_row_uncleared(pg_catalog.text, pg_catalog.jsonb, pg_catalog.timestamptz);

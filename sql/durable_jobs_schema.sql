@@ -16,6 +16,47 @@ $guard$;
 
 REVOKE ALL ON SCHEMA durable_jobs FROM PUBLIC;
 
+-- The table's CHECK constraints and the payload trigger's condition are C functions of the
+-- library (src/constraints.rs, where each quotes the SQL it stands for): PostgreSQL reads CHECK
+-- and WHEN expressions back from their stored text for every statement, and ours, written in
+-- SQL, took half the time of a one-row enqueue. Each returns false exactly where that SQL is
+-- false, and true where it is true or NULL.
+CREATE FUNCTION durable_jobs.durable_job_state_known(job_state pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_state_known';
+CREATE FUNCTION durable_jobs.durable_job_names_not_empty(queue_name pg_catalog.text, job_kind pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_names_not_empty';
+CREATE FUNCTION durable_jobs.durable_job_priority_range(priority pg_catalog.int4)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_priority_range';
+CREATE FUNCTION durable_jobs.durable_job_attempts_within_max(max_attempts pg_catalog.int4, attempt_count pg_catalog.int4)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_attempts_within_max';
+CREATE FUNCTION durable_jobs.durable_job_payload_only_while_pending(job_state pg_catalog.text, payload pg_catalog.jsonb)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_payload_only_while_pending';
+CREATE FUNCTION durable_jobs.durable_job_lease_only_while_running(
+        job_state pg_catalog.text, lease_owner pg_catalog.text, lease_token pg_catalog.uuid,
+        lease_expires_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_lease_only_while_running';
+CREATE FUNCTION durable_jobs.durable_job_finished_only_when_terminal(
+        job_state pg_catalog.text, finished_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_finished_only_when_terminal';
+CREATE FUNCTION durable_jobs.durable_job_failure_code_known(last_failure_code pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_failure_code_known';
+CREATE FUNCTION durable_jobs.durable_job_status_fields_valid(
+        state_version pg_catalog.int8, replay_count pg_catalog.int4, last_failure_sqlstate pg_catalog.text)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_status_fields_valid';
+CREATE FUNCTION durable_jobs.durable_job_terminal_row_uncleared(
+        job_state pg_catalog.text, payload pg_catalog.jsonb, finished_at pg_catalog.timestamptz)
+    RETURNS pg_catalog.bool LANGUAGE c IMMUTABLE PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_terminal_row_uncleared';
+
 CREATE TABLE durable_jobs.durable_job (
     job_id            pg_catalog.int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue_name        pg_catalog.text NOT NULL,
@@ -43,33 +84,27 @@ CREATE TABLE durable_jobs.durable_job (
     last_failure_sqlstate pg_catalog.text,
     replay_count      pg_catalog.int4 NOT NULL DEFAULT 0,
 
-    CONSTRAINT durable_job_state_known CHECK (
-        job_state IN ('available', 'running', 'succeeded', 'failed', 'cancelled')),
-    CONSTRAINT durable_job_names_not_empty CHECK (queue_name <> '' AND job_kind <> ''),
-    CONSTRAINT durable_job_priority_range CHECK (priority BETWEEN -1000 AND 1000),
+    CONSTRAINT durable_job_state_known CHECK (durable_jobs.durable_job_state_known(job_state)),
+    CONSTRAINT durable_job_names_not_empty CHECK (durable_jobs.durable_job_names_not_empty(queue_name, job_kind)),
+    CONSTRAINT durable_job_priority_range CHECK (durable_jobs.durable_job_priority_range(priority)),
     CONSTRAINT durable_job_attempts_within_max CHECK (
-        max_attempts BETWEEN 1 AND 1000 AND attempt_count BETWEEN 0 AND max_attempts),
+        durable_jobs.durable_job_attempts_within_max(max_attempts, attempt_count)),
     -- Pending jobs carry their payload; terminal jobs never do.
     CONSTRAINT durable_job_payload_only_while_pending CHECK (
-        (job_state IN ('available', 'running')) = (payload IS NOT NULL)),
+        durable_jobs.durable_job_payload_only_while_pending(job_state, payload)),
     -- A running job holds a complete lease; no other state holds any part of one.
     CONSTRAINT durable_job_lease_only_while_running CHECK (
-        CASE WHEN job_state = 'running'
-             THEN lease_owner IS NOT NULL AND lease_token IS NOT NULL AND lease_expires_at IS NOT NULL
-             ELSE lease_owner IS NULL AND lease_token IS NULL AND lease_expires_at IS NULL END),
+        durable_jobs.durable_job_lease_only_while_running(job_state, lease_owner, lease_token, lease_expires_at)),
     CONSTRAINT durable_job_finished_only_when_terminal CHECK (
-        (job_state IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL)),
+        durable_jobs.durable_job_finished_only_when_terminal(job_state, finished_at)),
     CONSTRAINT durable_job_failure_code_known CHECK (
-        last_failure_code IS NULL OR last_failure_code IN (
-            'invalid_request', 'integrity_violation', 'target_rejected',
-            'target_unavailable', 'unexpected_failure', 'lease_expired')),
+        durable_jobs.durable_job_failure_code_known(last_failure_code)),
     -- Every job enqueued since 0.4.0 has a fingerprint (replay compares against it); a keyed
     -- job always had one.
     CONSTRAINT durable_job_key_has_fingerprint CHECK (
         idempotency_key IS NULL OR payload_sha256 IS NOT NULL),
     CONSTRAINT durable_job_status_fields_valid CHECK (
-        state_version >= 1 AND replay_count >= 0
-        AND (last_failure_sqlstate IS NULL OR pg_catalog.octet_length(last_failure_sqlstate) = 5))
+        durable_jobs.durable_job_status_fields_valid(state_version, replay_count, last_failure_sqlstate))
 );
 
 COMMENT ON TABLE durable_jobs.durable_job IS
@@ -136,7 +171,6 @@ COMMENT ON FUNCTION durable_jobs.clear_terminal_payload() IS
 CREATE TRIGGER durable_job_clear_terminal_payload
     BEFORE INSERT OR UPDATE ON durable_jobs.durable_job
     FOR EACH ROW
-    WHEN (NEW.job_state IN ('succeeded', 'failed', 'cancelled')
-          AND (NEW.payload IS NOT NULL OR NEW.finished_at IS NULL))
+    WHEN (durable_jobs.durable_job_terminal_row_uncleared(NEW.job_state, NEW.payload, NEW.finished_at))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();
 

@@ -15,6 +15,7 @@
 use pgrx::prelude::*;
 
 mod arguments;
+mod constraints;
 mod enqueue;
 mod execution;
 mod failure;
