@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Splits the enqueue-to-start latency of the background worker into its steps: 500 jobs enqueued
+# one at a time, 5 ms apart, into an idle queue (as bench/run.sh measures it), with durable
+# commits and then with synchronous_commit = off (the difference is the two WAL flushes on the
+# path, the enqueue's and the claim's). Prints, per setting, pgbench's single-row UPDATE mean
+# latency, the p50 and p99 from the enqueue's transaction start to the handler's first
+# statement, and the p50 of each step, from a second run whose handler reads its own job:
+#   enqueue -> claim: the enqueue's statement and commit, the worker's wake-up, its poll up to
+#                     the claim's write of the row (the row's updated_at, a clock reading);
+#   claim:            the rest of the claim transaction, to its commit record
+#                     (track_commit_timestamp);
+#   claim -> handler: the claim's commit (its flush), the run transaction up to the handler.
+# Needs the extension installed (a --release build for figures that mean anything).
+set -euo pipefail
+
+PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+bindir=$("$PG_CONFIG" --bindir)
+work=/var/tmp/durable_jobs_latency
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+as_postgres() {
+    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+psql_q() { as_postgres "$bindir/psql" -X -q -t -A -h 127.0.0.1 -p "$port" -d postgres -v ON_ERROR_STOP=1 "$@"; }
+pgbench_run() { as_postgres "$bindir/pgbench" -h 127.0.0.1 -p "$port" -n "$@" postgres 2>/dev/null; }
+stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
+trap stop_cluster EXIT
+
+# Enqueues 500 jobs of `kind` one at a time and waits until all have run.
+enqueue_one_at_a_time() {
+    printf "SELECT durable_jobs.enqueue_durable_job('%s', '{}');\n\\\\sleep 5 ms\n" "$1" >"$work/enqueue.sql"
+    [ "$(id -u)" -ne 0 ] || chown postgres: "$work/enqueue.sql"
+    pgbench_run -f "$work/enqueue.sql" -c 1 -t 500 >/dev/null
+    until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do
+        sleep 0.05
+    done
+}
+
+for synchronous_commit in on off; do
+    stop_cluster
+    rm -rf "$work"
+    mkdir -p "$work"
+    [ "$(id -u)" -ne 0 ] || chown postgres: "$work"
+    as_postgres "$bindir/initdb" -D "$work/data" --auth=trust -U postgres >/dev/null
+    cat <<CONF | as_postgres tee -a "$work/data/postgresql.conf" >/dev/null
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$work'
+shared_buffers = '256MB'
+synchronous_commit = $synchronous_commit
+track_commit_timestamp = on
+shared_preload_libraries = 'durable_jobs'
+durable_jobs.worker_count = 1
+durable_jobs.worker_enabled = on
+CONF
+    as_postgres "$bindir/pg_ctl" -D "$work/data" -l "$work/server.log" -w start >/dev/null
+    psql_q <<'SQL' >/dev/null
+CREATE EXTENSION durable_jobs;
+CREATE TABLE public.started (job_started timestamptz NOT NULL DEFAULT clock_timestamp(),
+                             created timestamptz, claim_started timestamptz, claim_committed timestamptz);
+CREATE FUNCTION public.note_start(payload jsonb) RETURNS void LANGUAGE sql
+    AS 'INSERT INTO public.started DEFAULT VALUES';
+-- Reads its own job (the only one running): when it was enqueued, claimed and the claim committed.
+CREATE FUNCTION public.note_steps(payload jsonb) RETURNS void LANGUAGE sql
+    AS $$INSERT INTO public.started (created, claim_started, claim_committed)
+         SELECT created_at, updated_at, pg_catalog.pg_xact_commit_timestamp(xmin)
+         FROM durable_jobs.durable_job WHERE job_state = 'running'$$;
+SELECT durable_jobs.register_durable_job_handler('latency', 'public.note_start(jsonb)');
+SELECT durable_jobs.register_durable_job_handler('steps', 'public.note_steps(jsonb)');
+SQL
+    pgbench_run -i -s 1 -q >/dev/null
+    printf '\\set aid random(1, 100000)\nUPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :aid;\n' >"$work/update.sql"
+    [ "$(id -u)" -ne 0 ] || chown postgres: "$work/update.sql"
+    update_ms=$(pgbench_run -f "$work/update.sql" -c 1 -T 5 | awk '/^latency average = / {print $4}')
+
+    enqueue_one_at_a_time latency
+    read -r p50 p99 < <(psql_q -F ' ' -c "
+        WITH j AS (SELECT created_at, row_number() OVER (ORDER BY job_id) n FROM durable_jobs.durable_job),
+             s AS (SELECT job_started, row_number() OVER (ORDER BY job_started) n FROM public.started),
+             l AS (SELECT extract(epoch FROM s.job_started - j.created_at) * 1000 ms FROM j JOIN s USING (n))
+        SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 3),
+               round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 3) FROM l")
+    psql_q -c "TRUNCATE durable_jobs.durable_job, public.started" >/dev/null
+    enqueue_one_at_a_time steps
+    read -r to_claim claim to_handler < <(psql_q -F ' ' -c "
+        WITH l AS (SELECT extract(epoch FROM claim_started - created) * 1000 to_claim,
+                          extract(epoch FROM claim_committed - claim_started) * 1000 claim,
+                          extract(epoch FROM job_started - claim_committed) * 1000 to_handler
+                   FROM public.started)
+        SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_claim)::numeric, 3),
+               round(percentile_cont(0.5) WITHIN GROUP (ORDER BY claim)::numeric, 3),
+               round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_handler)::numeric, 3) FROM l")
+    echo "synchronous_commit = $synchronous_commit: pgbench UPDATE ${update_ms} ms; enqueue-to-start p50 $p50 ms, p99 $p99 ms;" \
+         "steps (p50): enqueue -> claim $to_claim, claim $claim, claim -> handler $to_handler ms"
+done
