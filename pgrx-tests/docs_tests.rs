@@ -91,7 +91,9 @@ fn documented_states_and_failure_codes_match_the_code() {
     assert_eq!(doc_table_keys("## Job states"), states, "same states, same order");
     let codes: Vec<String> =
         crate::failure::FailureCode::ALL.iter().map(|c| c.as_str().to_owned()).collect();
-    assert_eq!(sorted(doc_table_keys("## Failure codes")), sorted(codes));
+    assert_eq!(sorted(doc_table_keys("## Failure codes")), sorted(codes.clone()));
+    let accepted: Vec<String> = crate::constraints::FAILURE_CODES.iter().map(|c| (*c).to_owned()).collect();
+    assert_eq!(sorted(accepted), sorted(codes), "the table accepts every code the code has");
 }
 
 #[pg_test]

@@ -12,12 +12,24 @@
 //! They run no SQL and look up no name, so they pin no search_path (a `SET` clause would cost a
 //! GUC save and restore per call).
 
-use crate::failure::FailureCode;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+// The lists are the 0.4.0 schema's rules, frozen here: every later library serves an installed
+// 0.4.0 schema through these symbols, so a new state or failure code needs new functions and an
+// update script, never an edit of these lists.
+
 /// The job states, in the order of their life.
 pub const JOB_STATES: [&str; 5] = ["available", "running", "succeeded", "failed", "cancelled"];
+/// The failure codes the table accepts.
+pub const FAILURE_CODES: [&str; 6] = [
+    "invalid_request",
+    "integrity_violation",
+    "target_rejected",
+    "target_unavailable",
+    "unexpected_failure",
+    "lease_expired",
+];
 const PENDING_STATES: [&str; 2] = ["available", "running"];
 const TERMINAL_STATES: [&str; 3] = ["succeeded", "failed", "cancelled"];
 
@@ -52,6 +64,11 @@ unsafe fn text_argument<'a>(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Optio
             pgrx::varlena::varlena_to_byte_slice(text)
         })
     }
+}
+
+/// Length in bytes of text argument `n`, as `octet_length` reads it (without detoasting).
+unsafe fn text_length(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<usize> {
+    unsafe { argument(fcinfo, n).map(|datum| pg_sys::toast_raw_datum_size(datum) - pg_sys::VARHDRSZ) }
 }
 
 unsafe fn int_argument(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<i64> {
@@ -111,8 +128,8 @@ row_rule!(durable_job_state_known, pg_finfo_durable_job_state_known, state_known
 // queue_name <> '' AND job_kind <> ''
 unsafe fn names_not_empty(fcinfo: pg_sys::FunctionCallInfo) -> bool {
     unsafe {
-        text_argument(fcinfo, 0).is_none_or(|name| !name.is_empty())
-            && text_argument(fcinfo, 1).is_none_or(|name| !name.is_empty())
+        text_length(fcinfo, 0).is_none_or(|length| length > 0)
+            && text_length(fcinfo, 1).is_none_or(|length| length > 0)
     }
 }
 row_rule!(durable_job_names_not_empty, pg_finfo_durable_job_names_not_empty, names_not_empty);
@@ -176,10 +193,7 @@ row_rule!(
 
 // last_failure_code IS NULL OR last_failure_code IN (<the failure codes>)
 unsafe fn failure_code_known(fcinfo: pg_sys::FunctionCallInfo) -> bool {
-    unsafe {
-        text_argument(fcinfo, 0)
-            .is_none_or(|code| FailureCode::ALL.iter().any(|known| known.as_str().as_bytes() == code))
-    }
+    unsafe { text_argument(fcinfo, 0).is_none_or(|code| is_one_of(code, &FAILURE_CODES)) }
 }
 row_rule!(durable_job_failure_code_known, pg_finfo_durable_job_failure_code_known, failure_code_known);
 
@@ -189,7 +203,7 @@ unsafe fn status_fields_valid(fcinfo: pg_sys::FunctionCallInfo) -> bool {
     unsafe {
         between_or_null(int_argument(fcinfo, 0), Some(1), None)
             && between_or_null(int4_argument(fcinfo, 1), Some(0), None)
-            && text_argument(fcinfo, 2).is_none_or(|sqlstate| sqlstate.len() == 5)
+            && text_length(fcinfo, 2).is_none_or(|length| length == 5)
     }
 }
 row_rule!(durable_job_status_fields_valid, pg_finfo_durable_job_status_fields_valid, status_fields_valid);
