@@ -351,18 +351,32 @@ fn lapsed_and_available_jobs_compete_in_claim_order() {
     assert_eq!(order, vec![lapsed_high, available_mid, lapsed_low]);
 }
 
-/// The planner settings a claim runs under (plans::execute_in_claim_order), for this
-/// transaction: a plan explained here is the one a claim gets.
-fn claim_planner_settings() {
-    for (name, value) in crate::plans::CLAIM_PLANNER_SETTINGS {
+/// The planner settings a statement runs under (plans::CLAIM_PLANNER_SETTINGS,
+/// plans::BATCH_PLANNER_SETTINGS), for this transaction: a plan explained here is the one the
+/// statement gets.
+fn planner_settings(settings: &[(&std::ffi::CStr, &std::ffi::CStr)]) {
+    for (name, value) in settings {
         Spi::run(&format!("SET LOCAL {} = {}", name.to_str().unwrap(), value.to_str().unwrap())).unwrap();
     }
+}
+
+/// The JSON plan of `statement` prepared with parameters of `types` and executed with
+/// `arguments` (SQL text), under `options` of EXPLAIN: the kept plan a session gets.
+fn explain_prepared(types: &str, statement: &str, arguments: &str, options: &str) -> String {
+    Spi::run(&format!("PREPARE explained({types}) AS {statement}")).unwrap();
+    let plan = Spi::get_one::<pgrx::Json>(&format!("EXPLAIN ({options}FORMAT JSON) EXECUTE explained({arguments})"))
+        .unwrap()
+        .unwrap()
+        .0
+        .to_string();
+    Spi::run("DEALLOCATE explained").unwrap();
+    plan
 }
 
 #[pg_test]
 fn the_claim_is_an_index_scan_in_claim_order() {
     a_large_analyzed_queue();
-    claim_planner_settings();
+    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
     // Any kind, and one kind.
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
@@ -397,22 +411,15 @@ fn a_large_analyzed_queue() {
 fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
-    claim_planner_settings();
+    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
     for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
-            Spi::run(&format!(
-                "PREPARE generic_claim(text[], text, float8, bool, text[]) AS {}",
-                crate::lease::with_limit(statement, limit)
-            ))
-            .unwrap();
-            let plan = Spi::get_one::<pgrx::Json>(
-                "EXPLAIN (FORMAT JSON) EXECUTE generic_claim(NULL, 'w', 60, false, NULL)",
-            )
-            .unwrap()
-            .unwrap()
-            .0
-            .to_string();
-            Spi::run("DEALLOCATE generic_claim").unwrap();
+            let plan = explain_prepared(
+                "text[], text, float8, bool, text[]",
+                &crate::lease::with_limit(statement, limit),
+                "NULL, 'w', 60, false, NULL",
+                "",
+            );
             let job_table_scans = Spi::get_one_with_args::<String>(
                 r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
                    FROM jsonb_path_query($1::jsonb, '$.** ? (@."Relation Name" == "durable_job")') AS n
@@ -507,9 +514,7 @@ fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key_on_a_new_t
 /// the planner settings the worker runs them with (plans::BATCH_PLANNER_SETTINGS).
 fn assert_generic_batch_plans_find_jobs_by_primary_key() {
     let (job_id, token) = claim("w").unwrap();
-    for (name, value) in crate::plans::BATCH_PLANNER_SETTINGS {
-        Spi::run(&format!("SET LOCAL {} = {}", name.to_str().unwrap(), value.to_str().unwrap())).unwrap();
-    }
+    planner_settings(crate::plans::BATCH_PLANNER_SETTINGS);
     let leases = "int8[], uuid[], text";
     let statements = [
         ("renew", crate::lease::RENEW_BATCH, ", float8", ", 60"),
@@ -521,15 +526,12 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
         ("load", crate::execution::LOAD_JOBS, "", ""),
     ];
     for (name, statement, more_types, more_args) in statements {
-        Spi::run(&format!("PREPARE generic_leases({leases}{more_types}) AS {statement}")).unwrap();
-        let plan = Spi::get_one::<pgrx::Json>(&format!(
-            "EXPLAIN (FORMAT JSON) EXECUTE generic_leases('{{{job_id}}}', '{{{token}}}', 'w'{more_args})"
-        ))
-        .unwrap()
-        .unwrap()
-        .0
-        .to_string();
-        Spi::run("DEALLOCATE generic_leases").unwrap();
+        let plan = explain_prepared(
+            &format!("{leases}{more_types}"),
+            statement,
+            &format!("'{{{job_id}}}', '{{{token}}}', 'w'{more_args}"),
+            "",
+        );
         // A generic plan: the leases' count unknown, their scan estimated at ten rows.
         let estimated_ten = Spi::get_one_with_args::<bool>(
             r#"SELECT bool_and((n ->> 'Plan Rows')::integer = 10)
@@ -564,17 +566,13 @@ fn a_claim_leaves_the_sessions_planner_settings_as_they_were() {
 fn a_claim_is_not_compiled_by_jit() {
     enqueue("k", "{}");
     Spi::run("SET LOCAL jit_above_cost = 0").unwrap();
-    claim_planner_settings();
-    Spi::run(&format!(
-        "PREPARE claim_now(text[], text, float8, bool, text[]) AS {}",
-        crate::lease::with_limit(crate::lease::CLAIM, 50)
-    ))
-    .unwrap();
-    let plan = Spi::get_one::<pgrx::Json>("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_now(NULL, 'w', 60, false, NULL)")
-        .unwrap()
-        .unwrap()
-        .0
-        .to_string();
+    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
+    let plan = explain_prepared(
+        "text[], text, float8, bool, text[]",
+        &crate::lease::with_limit(crate::lease::CLAIM, 50),
+        "NULL, 'w', 60, false, NULL",
+        "ANALYZE, ",
+    );
     assert!(!plan.contains("\"JIT\""), "{plan}");
 }
 

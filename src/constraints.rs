@@ -3,10 +3,10 @@
 //! PostgreSQL reads a table's CHECK expressions (and a trigger's WHEN) back from their stored
 //! text and prepares them once per statement: written out in SQL, ours were 12 KB of node text,
 //! half the time of the enqueue function for one job and a sixth of a one-job claim (perf). A
-//! call of one of these functions is a few hundred bytes. Each constraint keeps its name and its meaning
-//! (`pgrx-tests/schema_tests.rs` compares every function with the SQL it replaces): a function
-//! returns false exactly where that SQL was false, and true where it was true or NULL (a CHECK
-//! passes both).
+//! call of one of these functions is a few hundred bytes. Each constraint keeps its name and its
+//! meaning (`pgrx-tests/schema_tests.rs` compares every function with the SQL it replaces): a
+//! function returns false exactly where that SQL was false, and true where it was true or NULL
+//! (a CHECK passes both).
 //!
 //! Plain V1 functions, with no pgrx argument conversion: they run once per written row each.
 //! They run no SQL and look up no name, so they pin no search_path (a `SET` clause would cost a
