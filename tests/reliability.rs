@@ -567,9 +567,20 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
     let dead_while_held = dead(&mut client);
     assert!(dead_while_held >= JOBS, "each job left at least two dead versions: {dead_while_held}");
     snapshot.rollback().unwrap();
-    // What autovacuum does soon after the old snapshot is gone, done now: it removes them.
-    client.batch_execute("VACUUM durable_jobs.durable_job").unwrap();
-    let dead_after = dead(&mut client);
+    // What autovacuum does soon after the old snapshot is gone, done now: it removes them. One
+    // CI run left 60 of 3,000, about one heap page's worth: most likely a page a worker's poll
+    // had pinned, whose dead versions vacuum leaves for the next round ("not removed due to
+    // cleanup lock contention"). Autovacuum comes back for them, so vacuum again a few times; a
+    // horizon still held would keep them through every round.
+    let mut dead_after = i64::MAX;
+    for _ in 0..20 {
+        client.batch_execute("VACUUM durable_jobs.durable_job").unwrap();
+        dead_after = dead(&mut client);
+        if dead_after * 100 <= dead_while_held {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert!(
         dead_after * 100 <= dead_while_held,
         "vacuum reclaimed {dead_while_held} dead versions, {dead_after} left"
