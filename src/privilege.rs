@@ -58,9 +58,9 @@ pub struct Installed {
 
 /// The extension's owner and version, read from its pg_extension row on every call, as
 /// `get_extension_oid` reads that row anyway: no cache to go stale after `REASSIGN OWNED` or
-/// `ALTER EXTENSION UPDATE`.
-fn installed() -> Installed {
-    let found = unsafe {
+/// `ALTER EXTENSION UPDATE`. None when the extension is not installed in this database.
+pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
+    unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         // The job table first: an ALTER EXTENSION durable_jobs UPDATE in progress holds it, so a
         // call that crosses one reads the version it left (the lock processes its invalidations),
@@ -93,13 +93,17 @@ fn installed() -> Installed {
                 (*catalog).rd_att,
                 &mut is_null,
             );
-            let version = String::from_datum(version, is_null).unwrap_or_default();
-            Installed { owner, has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&version.as_str()) }
+            (owner, String::from_datum(version, is_null).unwrap_or_default())
         });
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(catalog, lock);
         found
-    };
+    }
+}
+
+/// `installed_row`, as our statements need it; raises when the extension is not installed.
+fn installed() -> Installed {
+    let found = installed_row();
     if found.is_none() {
         ereport!(
             ERROR,
@@ -107,7 +111,8 @@ fn installed() -> Installed {
             "extension durable_jobs is not installed in this database"
         );
     }
-    found.unwrap()
+    let (owner, version) = found.unwrap();
+    Installed { owner, has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&version.as_str()) }
 }
 
 /// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores

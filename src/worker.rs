@@ -13,7 +13,6 @@ use crate::execution::{self, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
-use crate::plans;
 use crate::privilege::{as_extension_owner_of, with_worker_settings};
 use crate::retention;
 use crate::runner;
@@ -23,7 +22,7 @@ use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTi
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
 pub const WORKER_TYPE: &str = "durable_jobs worker";
@@ -226,15 +225,29 @@ thread_local! {
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
     static CLAIMED_AHEAD: RefCell<Claimed> = const { RefCell::new(Vec::new()) };
+    /// When this worker last ended exhausted leases (see `claim_batch`).
+    static LAST_EXPIRY: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
 /// The claim of a poll, as (enqueuer, (job, lease token)) in claim order.
 type Claimed = Vec<(String, (i64, Uuid))>;
 
-/// Claims up to a batch of jobs for this worker in the current transaction.
+/// How often a worker ends exhausted leases as `lease_expired` (`lease::expire_exhausted_leases`).
+const EXPIRE_EVERY: Duration = Duration::from_secs(1);
+
+/// Claims up to a batch of jobs for this worker in the current transaction, after ending
+/// exhausted leases when that is due.
 fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
     let batch = settings::CLAIM_BATCH_SIZE.get();
-    let jobs = with_worker_settings(|| lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch));
+    let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
+    let jobs = with_worker_settings(|| {
+        if expiry_due {
+            lease::expire_exhausted_leases();
+            // Counted from here even if the transaction fails: it is retried a second later.
+            LAST_EXPIRY.with(|last| last.set(Some(Instant::now())));
+        }
+        lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch)
+    });
     jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect()
 }
 
@@ -506,23 +519,8 @@ fn prune_finished_jobs() {
 
 /// Whether this database has the extension at the version of this library; an older schema
 /// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
+/// Read from the catalog directly, as our statements read the owner: an SPI query here, with
+/// its settings and executor, was a twentieth of the path from enqueue to handler.
 fn extension_ready() -> bool {
-    // A kept plan (it runs once per poll), run without an xid (Spi::get_one would give every
-    // idle poll's transaction one, and a commit record), always under the worker's search_path:
-    // a kept plan is planned again whenever the search_path differs from its last planning.
-    with_worker_settings(|| {
-        Spi::connect_mut(|client| {
-            plans::execute(
-                client,
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension
-                            WHERE extname = 'durable_jobs' AND extversion = $1)",
-                &[env!("CARGO_PKG_VERSION").into()],
-            )
-            .first()
-            .get_one::<bool>()
-            .ok()
-            .flatten()
-        })
-    })
-    .unwrap_or(false)
+    crate::privilege::installed_row().is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
 }

@@ -1005,7 +1005,7 @@ fn the_workers_statements_are_planned_once_not_per_job() {
     assert!(
         count(
             &mut client,
-            "SELECT count(*) FROM pg_stat_statements WHERE calls >= 30 AND query LIKE '%WITH exhausted%'"
+            "SELECT count(*) FROM pg_stat_statements WHERE calls >= 30 AND query LIKE '%candidate AS (%'"
         ) >= 1
     );
 }
@@ -1036,7 +1036,7 @@ fn the_workers_claim_reads_the_head_of_a_backlog_among_many_finished_jobs() {
     let buffers_per_job = count(
         &mut client,
         "SELECT (sum(shared_blks_hit + shared_blks_read) / 5000)::bigint FROM pg_stat_statements
-         WHERE query LIKE '%WITH exhausted%' AND query LIKE '%durable_job_handler_serves%'",
+         WHERE query LIKE '%candidate AS (%' AND query LIKE '%durable_job_handler_serves%'",
     );
     // In claim order: about 30 a job (the head of the index, the row, its new index entries).
     assert!(buffers_per_job < 80, "{buffers_per_job} buffers per job claimed");
