@@ -479,16 +479,21 @@ pub struct ClaimedJob {
     pub enqueued_by: String,
 }
 
+/// How many exhausted leases one expiry ends at most (the `LIMIT` of `expire_exhausted_ctes`).
+pub const EXPIRE_BATCH: usize = 100;
+
 /// The background worker's expiry of exhausted leases (`EXPIRE_EXHAUSTED`), in the current
-/// transaction; their waiters wake at its commit.
-pub fn expire_exhausted_leases() {
+/// transaction; their waiters wake at its commit. Returns how many it ended.
+pub fn expire_exhausted_leases() -> usize {
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
             let expired: Vec<i64> =
                 plans::execute(client, EXPIRE_EXHAUSTED, &[DatumWithOid::null::<Vec<String>>()])
                     .map(|row| row.get(1).unwrap().unwrap())
                     .collect();
+            let count = expired.len();
             waiters::wake_waiters_at_commit(expired, Change::Terminal);
+            count
         })
     })
 }

@@ -28,7 +28,8 @@ impl Hasher for StatementHasher {
         let word_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
         if bytes.len() >= 8 {
             let step = (bytes.len() - 8) / SAMPLES + 1;
-            // The last word too: statements that differ only in their tail (a limit) stay apart.
+            // The last word too. Texts that hash alike (claims whose limits have as many digits)
+            // are told apart by the map's comparison of the whole text.
             for at in (0..bytes.len() - 8).step_by(step).chain([bytes.len() - 8]) {
                 hash = (hash.rotate_left(5) ^ word_at(at)).wrapping_mul(0x517c_c1b7_2722_0a95);
             }

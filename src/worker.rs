@@ -241,9 +241,9 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let jobs = with_worker_settings(|| {
-        if expiry_due {
-            lease::expire_exhausted_leases();
-            // Counted from here even if the transaction fails: it is retried a second later.
+        // Due again at the next poll while a call finds a full batch of them (after a crash);
+        // otherwise counted from here even if the transaction fails: retried a second later.
+        if expiry_due && lease::expire_exhausted_leases() < lease::EXPIRE_BATCH {
             LAST_EXPIRY.with(|last| last.set(Some(Instant::now())));
         }
         lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch)
@@ -521,6 +521,9 @@ fn prune_finished_jobs() {
 /// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
 /// Read from the catalog directly, as our statements read the owner: an SPI query here, with
 /// its settings and executor, was a twentieth of the path from enqueue to handler.
+/// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
+/// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
 fn extension_ready() -> bool {
-    crate::privilege::installed_row().is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
+    with_worker_settings(crate::privilege::installed_row)
+        .is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
 }
