@@ -83,6 +83,69 @@ fn registering_needs_execute_on_the_handler_and_ownership_to_replace() {
     assert_eq!(registration, Ok((Some("public.dj_proc(jsonb)".into()), Some("dj_test_registrar".into()))));
 }
 
+/// The worker's check of a handler and its enqueuer (`handlers::runnable_handler`, catalog
+/// caches) against the query it replaces (the batch's load up to 0.4.0's fifth round), over
+/// superuser and ordinary owners and enqueuers, membership with and without inheritance, no
+/// EXECUTE, a set-returning function, a procedure, a handler or role that does not exist.
+#[pg_test]
+fn the_worker_checks_a_handler_as_its_load_query_did() {
+    Spi::run(
+        "CREATE ROLE dj_rh_super SUPERUSER; CREATE ROLE dj_rh_owner; CREATE ROLE dj_rh_member IN ROLE dj_rh_owner;
+         CREATE ROLE dj_rh_noinherit NOINHERIT IN ROLE dj_rh_owner; CREATE ROLE dj_rh_stranger;
+         CREATE FUNCTION public.dj_rh_f(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE FUNCTION public.dj_rh_g(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE FUNCTION public.dj_rh_private(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         CREATE FUNCTION public.dj_rh_set(jsonb) RETURNS SETOF integer LANGUAGE sql AS 'SELECT 1';
+         CREATE PROCEDURE public.dj_rh_p(jsonb) LANGUAGE sql AS 'SELECT 1';
+         CREATE PROCEDURE public.dj_rh_q(jsonb) LANGUAGE sql AS 'SELECT 1';
+         ALTER FUNCTION public.dj_rh_f(jsonb) OWNER TO dj_rh_super;
+         ALTER FUNCTION public.dj_rh_private(jsonb) OWNER TO dj_rh_owner;
+         REVOKE EXECUTE ON FUNCTION public.dj_rh_private(jsonb) FROM PUBLIC;
+         ALTER FUNCTION public.dj_rh_g(jsonb) OWNER TO dj_rh_owner;
+         ALTER FUNCTION public.dj_rh_set(jsonb) OWNER TO dj_rh_super;
+         ALTER PROCEDURE public.dj_rh_q(jsonb) OWNER TO dj_rh_owner;",
+    )
+    .unwrap();
+    let handlers = ["public.dj_rh_f(jsonb)", "public.dj_rh_g(jsonb)", "public.dj_rh_private(jsonb)",
+                    "public.dj_rh_set(jsonb)", "public.dj_rh_p(jsonb)", "public.dj_rh_q(jsonb)",
+                    "public.dj_rh_none(jsonb)", "dj_rh_f(jsonb)"];
+    let enqueuers = ["dj_rh_super", "dj_rh_owner", "dj_rh_member", "dj_rh_noinherit", "dj_rh_stranger",
+                     "dj_rh_gone"];
+    let reference = "
+        SELECT p.oid, p.prokind = 'p', r.oid,
+               COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
+                        AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
+                        false)
+        FROM (SELECT $1::text AS handler, $2::name AS enqueued_by) k
+        LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(k.handler)
+        LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
+        LEFT JOIN pg_catalog.pg_roles r ON r.rolname = k.enqueued_by";
+    let (mut runnable, mut refused) = (0, 0);
+    for handler in handlers {
+        for enqueuer in enqueuers {
+            let expected = Spi::connect(|client| {
+                let row = client.select(reference, Some(1), &[handler.into(), enqueuer.into()]).unwrap().first();
+                let may_run = row.get::<bool>(4).unwrap().unwrap();
+                may_run.then(|| {
+                    (row.get::<pg_sys::Oid>(1).unwrap().unwrap(), row.get::<bool>(2).unwrap().unwrap(),
+                     row.get::<pg_sys::Oid>(3).unwrap().unwrap())
+                })
+            });
+            let checked = crate::handlers::runnable_handler(handler, enqueuer)
+                .map(|found| (found.routine, found.is_procedure, found.role));
+            assert_eq!(checked, expected, "{handler} enqueued by {enqueuer}");
+            if checked.is_some() { runnable += 1 } else { refused += 1 }
+        }
+    }
+    assert!(runnable >= 8 && refused >= 20, "{runnable} runnable, {refused} refused");
+    let may_run = |handler: &str, enqueuer: &str| crate::handlers::runnable_handler(handler, enqueuer).is_some();
+    assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a member runs its group's handler");
+    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_noinherit"), "without inheriting its privileges");
+    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_super"), "a superuser never runs an ordinary role's code");
+    assert!(may_run("public.dj_rh_f(jsonb)", "dj_rh_stranger"), "a superuser's handler runs for anyone");
+    assert!(!may_run("public.dj_rh_private(jsonb)", "dj_rh_stranger"), "without EXECUTE");
+}
+
 #[pg_test]
 fn sqlstates_map_to_stable_failure_codes() {
     use crate::failure::FailureCode::*;

@@ -10,6 +10,7 @@
 //! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
+use crate::handlers::{runnable_handler, RunnableHandler};
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
@@ -22,61 +23,33 @@ use pgrx::Uuid;
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// For each claimed job whose lease is still exactly ours: its payload, its handler routine and
-/// whether that is a procedure, the enqueuing role, its lease expiry (Unix microseconds), and
-/// whether it may run: the enqueuer may execute the handler, the handler returns no set, and its
-/// owner is a superuser or, for an enqueuer that is not one, a role whose privileges the
-/// enqueuer has (itself or a role it is a member of). The handler and roles are looked up once
-/// per kind and enqueuer of the batch, not per job: those catalog lookups were most of the load.
+/// For each claimed job whose lease is still exactly ours: its payload, its kind's registered
+/// handler (text, NULL when there is none), the enqueuing role, its lease expiry (Unix
+/// microseconds), kind and attempt. Whether the enqueuer may run the handler is decided in the
+/// library (`handlers::runnable_handler`), once per handler and enqueuer of the batch.
 pub(crate) const LOAD_JOBS: &str = "
-    WITH batch AS MATERIALIZED (
-        SELECT j.job_id, j.payload, j.lease_expires_at, j.job_kind, j.attempt_count, j.enqueued_by
-        FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-             AS c(job_id, lease_token)
-        JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-        -- The token is the state check (see lease_fence in lease.rs).
-        WHERE j.lease_owner = $3),
-    handlers AS MATERIALIZED (
-        SELECT k.job_kind, k.enqueued_by, p.oid AS routine, p.prokind = 'p' AS is_procedure, r.oid AS role,
-               COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
-                        AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
-                        false) AS may_run
-        FROM (SELECT DISTINCT job_kind, enqueued_by FROM batch) k
-        -- Per kind: a registration row someone broke by hand fails only its own jobs.
-        LEFT JOIN pg_catalog.pg_proc p ON p.oid = (SELECT pg_catalog.to_regprocedure(h.handler)
-                                                   FROM durable_jobs.durable_job_handler h
-                                                   WHERE h.job_kind = k.job_kind)
-        LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner
-        LEFT JOIN pg_catalog.pg_roles r ON r.rolname = k.enqueued_by)
-    SELECT b.job_id,
-           b.payload,
-           h.routine,
-           h.is_procedure,
-           h.role,
-           (pg_catalog.date_part('epoch', b.lease_expires_at) * 1000000)::pg_catalog.int8,
-           h.may_run,
-           b.job_kind,
-           b.attempt_count
-    FROM batch b
-    JOIN handlers h ON h.job_kind = b.job_kind AND h.enqueued_by = b.enqueued_by";
+    SELECT j.job_id,
+           j.payload,
+           h.handler,
+           j.enqueued_by::pg_catalog.text,
+           (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8,
+           j.job_kind,
+           j.attempt_count
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         AS c(job_id, lease_token)
+    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
+    LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
+    -- The token is the state check (see lease_fence in lease.rs).
+    WHERE j.lease_owner = $3";
 
 /// The search_path handlers run with, whatever the session's: `pg_temp` last, so that no
 /// temporary object can capture a handler's unqualified names.
 const HANDLER_SEARCH_PATH: &std::ffi::CStr = c"\"$user\", public, pg_temp";
 
-/// A handler that may run: the routine that was checked (called by its oid, so that no name
-/// resolved later can stand in for it), whether it is a procedure, and the role to run it as.
-#[derive(Clone, Copy)]
-struct Handler {
-    routine: pg_sys::Oid,
-    is_procedure: bool,
-    role: pg_sys::Oid,
-}
-
 struct LoadedJob {
     payload: JsonbDatum,
     /// None when the job may not run.
-    handler: Option<Handler>,
+    handler: Option<RunnableHandler>,
     lease_expires_unix_us: i64,
     job_kind: String,
     attempt_count: i32,
@@ -87,24 +60,23 @@ fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
+            // A batch's jobs share a few handlers and enqueuers: each pair is checked once.
+            let mut runnable: HashMap<(String, String), Option<RunnableHandler>> = HashMap::new();
             plans::execute_generic(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
-                    let routine: Option<pg_sys::Oid> = row.get(3).unwrap();
-                    let is_procedure: Option<bool> = row.get(4).unwrap();
-                    let role: Option<pg_sys::Oid> = row.get(5).unwrap();
-                    let may_run: bool = row.get(7).unwrap().unwrap();
-                    let handler = match (routine, is_procedure, role) {
-                        (Some(routine), Some(is_procedure), Some(role)) if may_run => {
-                            Some(Handler { routine, is_procedure, role })
-                        }
-                        _ => None,
-                    };
+                    let registered: Option<String> = row.get(3).unwrap();
+                    let enqueuer: String = row.get(4).unwrap().unwrap();
+                    let handler = registered.and_then(|registered| {
+                        *runnable.entry((registered, enqueuer)).or_insert_with_key(
+                            |(registered, enqueuer)| runnable_handler(registered, enqueuer),
+                        )
+                    });
                     let job = LoadedJob {
                         payload: row.get(2).unwrap().unwrap(),
                         handler,
-                        lease_expires_unix_us: row.get(6).unwrap().unwrap(),
-                        job_kind: row.get(8).unwrap().unwrap(),
-                        attempt_count: row.get(9).unwrap().unwrap(),
+                        lease_expires_unix_us: row.get(5).unwrap().unwrap(),
+                        job_kind: row.get(6).unwrap().unwrap(),
+                        attempt_count: row.get(7).unwrap().unwrap(),
                     };
                     (row.get::<i64>(1).unwrap().unwrap(), job)
                 })
@@ -442,7 +414,7 @@ fn run_job(
 /// Calls the handler routine by its oid with the payload, as SPI would run `SELECT f($1)` or
 /// `CALL p($1)`: after a command counter increment, with a fresh snapshot. The current role must
 /// still be allowed to execute it (fmgr itself does not check).
-fn call_handler(handler: Handler, payload: JsonbDatum) {
+fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
     unsafe {
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK

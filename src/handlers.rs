@@ -154,11 +154,6 @@ fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
     if registered_by == enqueued_by {
         return true;
     }
-    let role_oid = |name: &str| {
-        std::ffi::CString::new(name)
-            .map(|name| unsafe { pg_sys::get_role_oid(name.as_ptr(), true) })
-            .unwrap_or(pg_sys::Oid::INVALID)
-    };
     let registrant = role_oid(registered_by);
     if registrant == pg_sys::Oid::INVALID {
         return false;
@@ -171,4 +166,49 @@ fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
     let enqueuer = role_oid(enqueued_by);
     enqueuer != pg_sys::Oid::INVALID
         && unsafe { !pg_sys::superuser_arg(enqueuer) && pg_sys::has_privs_of_role(enqueuer, registrant) }
+}
+
+/// The oid of the role named `name`; invalid when there is none.
+fn role_oid(name: &str) -> pg_sys::Oid {
+    std::ffi::CString::new(name)
+        .map(|name| unsafe { pg_sys::get_role_oid(name.as_ptr(), true) })
+        .unwrap_or(pg_sys::Oid::INVALID)
+}
+
+/// A handler the background worker may run: the routine that was checked (called by its oid, so
+/// that no name resolved later can stand in for it), whether it is a procedure, and the role to
+/// run it as.
+#[derive(Clone, Copy)]
+pub(crate) struct RunnableHandler {
+    pub routine: pg_sys::Oid,
+    pub is_procedure: bool,
+    pub role: pg_sys::Oid,
+}
+
+/// The routine a registration names (`handler`, its stored text, read as `to_regprocedure`
+/// reads it), when the role named `enqueuer` may run it: the role exists and may execute it, it
+/// returns no set, and its owner is a superuser or, for an enqueuer that is not one, a role whose
+/// privileges the enqueuer has (itself or a role it is a member of). From the catalog caches,
+/// not a query: as a query over pg_roles this was most of the cost of loading a batch.
+pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<RunnableHandler> {
+    unsafe {
+        let routine =
+            pgrx::direct_function_call::<pg_sys::Oid>(pg_sys::to_regprocedure, &[handler.into_datum()])?;
+        let row = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as i32, routine.into_datum()?);
+        if row.is_null() {
+            return None;
+        }
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(row);
+        let (is_procedure, returns_set, owner) =
+            ((*form).prokind == b'p' as std::ffi::c_char, (*form).proretset, (*form).proowner);
+        pg_sys::ReleaseSysCache(row);
+        let role = role_oid(enqueuer);
+        let may_run = role != pg_sys::Oid::INVALID
+            && pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
+                == pg_sys::AclResult::ACLCHECK_OK
+            && !returns_set
+            && (pg_sys::superuser_arg(owner)
+                || (!pg_sys::superuser_arg(role) && pg_sys::has_privs_of_role(role, owner)));
+        may_run.then_some(RunnableHandler { routine, is_procedure, role })
+    }
 }
