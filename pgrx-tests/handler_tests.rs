@@ -92,6 +92,10 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
     Spi::run(
         "CREATE ROLE dj_rh_super SUPERUSER; CREATE ROLE dj_rh_owner; CREATE ROLE dj_rh_member IN ROLE dj_rh_owner;
          CREATE ROLE dj_rh_noinherit NOINHERIT IN ROLE dj_rh_owner; CREATE ROLE dj_rh_stranger;
+         CREATE ROLE dj_rh_grandchild IN ROLE dj_rh_member; CREATE ROLE dj_rh_below_noinherit IN ROLE dj_rh_noinherit;
+         CREATE FUNCTION public.dj_rh_super_private(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         ALTER FUNCTION public.dj_rh_super_private(jsonb) OWNER TO dj_rh_super;
+         REVOKE EXECUTE ON FUNCTION public.dj_rh_super_private(jsonb) FROM PUBLIC;
          CREATE FUNCTION public.dj_rh_f(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
          CREATE FUNCTION public.dj_rh_g(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
          CREATE FUNCTION public.dj_rh_private(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
@@ -108,9 +112,9 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
     .unwrap();
     let handlers = ["public.dj_rh_f(jsonb)", "public.dj_rh_g(jsonb)", "public.dj_rh_private(jsonb)",
                     "public.dj_rh_set(jsonb)", "public.dj_rh_p(jsonb)", "public.dj_rh_q(jsonb)",
-                    "public.dj_rh_none(jsonb)", "dj_rh_f(jsonb)"];
+                    "public.dj_rh_none(jsonb)", "dj_rh_f(jsonb)", "public.dj_rh_super_private(jsonb)"];
     let enqueuers = ["dj_rh_super", "dj_rh_owner", "dj_rh_member", "dj_rh_noinherit", "dj_rh_stranger",
-                     "dj_rh_gone"];
+                     "dj_rh_grandchild", "dj_rh_below_noinherit", "dj_rh_gone"];
     let reference = "
         SELECT p.oid, p.prokind = 'p', r.oid,
                COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
@@ -144,6 +148,9 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_super"), "a superuser never runs an ordinary role's code");
     assert!(may_run("public.dj_rh_f(jsonb)", "dj_rh_stranger"), "a superuser's handler runs for anyone");
     assert!(!may_run("public.dj_rh_private(jsonb)", "dj_rh_stranger"), "without EXECUTE");
+    assert!(!may_run("public.dj_rh_super_private(jsonb)", "dj_rh_stranger"), "a superuser's, without EXECUTE");
+    assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "through two memberships");
+    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_below_noinherit"), "not through a role that does not inherit");
 }
 
 #[pg_test]

@@ -46,17 +46,17 @@ pub(crate) const LOAD_JOBS: &str = "
 /// temporary object can capture a handler's unqualified names.
 const HANDLER_SEARCH_PATH: &std::ffi::CStr = c"\"$user\", public, pg_temp";
 
-struct LoadedJob {
+pub(crate) struct LoadedJob {
     payload: JsonbDatum,
     /// None when the job may not run.
-    handler: Option<RunnableHandler>,
+    pub(crate) handler: Option<RunnableHandler>,
     lease_expires_unix_us: i64,
     job_kind: String,
     attempt_count: i32,
 }
 
 /// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
-fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
+pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {

@@ -175,6 +175,12 @@ fn role_oid(name: &str) -> pg_sys::Oid {
         .unwrap_or(pg_sys::Oid::INVALID)
 }
 
+#[cfg(any(test, feature = "pg_test"))]
+thread_local! {
+    /// How many times `runnable_handler` was asked (the tests count them).
+    pub(crate) static HANDLER_CHECKS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// A handler the background worker may run: the routine that was checked (called by its oid, so
 /// that no name resolved later can stand in for it), whether it is a procedure, and the role to
 /// run it as.
@@ -191,9 +197,17 @@ pub(crate) struct RunnableHandler {
 /// privileges the enqueuer has (itself or a role it is a member of). From the catalog caches,
 /// not a query: as a query over pg_roles this was most of the cost of loading a batch.
 pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<RunnableHandler> {
+    #[cfg(any(test, feature = "pg_test"))]
+    HANDLER_CHECKS.with(|checks| checks.set(checks.get() + 1));
     unsafe {
         let routine =
             pgrx::direct_function_call::<pg_sys::Oid>(pg_sys::to_regprocedure, &[handler.into_datum()])?;
+        // The role first: a cache miss there takes in invalidations, which could drop the
+        // routine between its row being read and its privileges being checked.
+        let role = role_oid(enqueuer);
+        if role == pg_sys::Oid::INVALID {
+            return None;
+        }
         let row = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as i32, routine.into_datum()?);
         if row.is_null() {
             return None;
@@ -202,10 +216,8 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
         let (is_procedure, returns_set, owner) =
             ((*form).prokind == b'p' as std::ffi::c_char, (*form).proretset, (*form).proowner);
         pg_sys::ReleaseSysCache(row);
-        let role = role_oid(enqueuer);
-        let may_run = role != pg_sys::Oid::INVALID
-            && pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
-                == pg_sys::AclResult::ACLCHECK_OK
+        let may_run = pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
+            == pg_sys::AclResult::ACLCHECK_OK
             && !returns_set
             && (pg_sys::superuser_arg(owner)
                 || (!pg_sys::superuser_arg(role) && pg_sys::has_privs_of_role(role, owner)));
