@@ -155,17 +155,20 @@ fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
         return true;
     }
     let registrant = role_oid(registered_by);
-    if registrant == pg_sys::Oid::INVALID {
-        return false;
+    registrant != pg_sys::Oid::INVALID && runs_code_of(role_oid(enqueued_by), registrant)
+}
+
+/// Whether code that `author` wrote (a handler's owner, a registration's role) may run as
+/// `enqueuer`: a superuser's code for any role, otherwise only for a role, not a superuser, that
+/// has the author's privileges. has_privs_of_role is true for every superuser: an ordinary
+/// role's code never runs as a superuser.
+fn runs_code_of(enqueuer: pg_sys::Oid, author: pg_sys::Oid) -> bool {
+    unsafe {
+        pg_sys::superuser_arg(author)
+            || (enqueuer != pg_sys::Oid::INVALID
+                && !pg_sys::superuser_arg(enqueuer)
+                && pg_sys::has_privs_of_role(enqueuer, author))
     }
-    if unsafe { pg_sys::superuser_arg(registrant) } {
-        return true;
-    }
-    // has_privs_of_role is true for every superuser: a registration of a role that is not one
-    // never serves a superuser's jobs, which only a superuser's registration may take over.
-    let enqueuer = role_oid(enqueued_by);
-    enqueuer != pg_sys::Oid::INVALID
-        && unsafe { !pg_sys::superuser_arg(enqueuer) && pg_sys::has_privs_of_role(enqueuer, registrant) }
 }
 
 /// The oid of the role named `name`; invalid when there is none.
@@ -219,8 +222,7 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
         let may_run = pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             == pg_sys::AclResult::ACLCHECK_OK
             && !returns_set
-            && (pg_sys::superuser_arg(owner)
-                || (!pg_sys::superuser_arg(role) && pg_sys::has_privs_of_role(role, owner)));
+            && runs_code_of(role, owner);
         may_run.then_some(RunnableHandler { routine, is_procedure, role })
     }
 }
