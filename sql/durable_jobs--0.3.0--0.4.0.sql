@@ -300,3 +300,60 @@ CREATE TRIGGER durable_job_clear_terminal_payload
     FOR EACH ROW
     WHEN (durable_jobs.durable_job_terminal_row_uncleared(NEW.job_state, NEW.payload, NEW.finished_at))
     EXECUTE FUNCTION durable_jobs.clear_terminal_payload();
+
+-- What an update creates belongs to the role that runs it, a superuser. After REASSIGN OWNED the
+-- extension may belong to another role, which the library's functions act as: hand it every
+-- member it does not own (or it could not write its own table: the CHECK functions above, the
+-- audit table), and record the privileges they now have as the extension's own, as a fresh
+-- install by that role would. When the extension's owner runs the update, nothing moves.
+DO $hand_over$
+DECLARE
+    extension_owner pg_catalog.oid;
+    member record;
+BEGIN
+    SELECT x.extowner INTO extension_owner FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs';
+    FOR member IN
+        SELECT 'ROUTINE ' || p.oid::pg_catalog.regprocedure::pg_catalog.text AS object,
+               d.classid, d.objid
+        FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_proc p ON p.oid = d.objid
+        WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND p.proowner <> extension_owner
+          AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
+          AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
+        UNION ALL
+        -- A table's sequences and indexes go with it.
+        SELECT CASE c.relkind WHEN 'v' THEN 'VIEW ' WHEN 'S' THEN 'SEQUENCE ' ELSE 'TABLE ' END
+               || c.oid::pg_catalog.regclass::pg_catalog.text, d.classid, d.objid
+        FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_class c ON c.oid = d.objid
+        WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND c.relowner <> extension_owner
+          AND c.relkind IN ('r', 'v', 'S')
+          AND NOT EXISTS (SELECT FROM pg_catalog.pg_depend o
+                          WHERE o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND o.objid = c.oid
+                            AND o.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass AND o.deptype IN ('a', 'i'))
+          AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
+          AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
+        UNION ALL
+        SELECT 'TYPE ' || t.oid::pg_catalog.regtype::pg_catalog.text, d.classid, d.objid
+        FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_type t ON t.oid = d.objid
+        WHERE d.classid = 'pg_catalog.pg_type'::pg_catalog.regclass AND t.typowner <> extension_owner
+          AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
+          AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
+    LOOP
+        EXECUTE pg_catalog.format('ALTER %s OWNER TO %s', member.object,
+                                  extension_owner::pg_catalog.regrole::pg_catalog.text);
+        -- The member's, and those of the sequences that went with a table.
+        UPDATE pg_catalog.pg_init_privs i
+        SET initprivs = COALESCE(CASE i.classoid
+            WHEN 'pg_catalog.pg_proc'::pg_catalog.regclass
+                THEN (SELECT p.proacl FROM pg_catalog.pg_proc p WHERE p.oid = i.objoid)
+            WHEN 'pg_catalog.pg_class'::pg_catalog.regclass
+                THEN (SELECT c.relacl FROM pg_catalog.pg_class c WHERE c.oid = i.objoid)
+            ELSE (SELECT t.typacl FROM pg_catalog.pg_type t WHERE t.oid = i.objoid) END, i.initprivs)
+        WHERE i.classoid = member.classid AND i.objsubid = 0
+          AND (i.objoid = member.objid
+               OR i.objoid IN (SELECT o.objid FROM pg_catalog.pg_depend o
+                               WHERE o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                                 AND o.refclassid = member.classid AND o.refobjid = member.objid
+                                 AND o.deptype IN ('a', 'i')));
+    END LOOP;
+END
+$hand_over$;

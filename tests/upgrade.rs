@@ -336,6 +336,103 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
     }
 }
 
+/// Members of the extension (routines, relations, types) that its owner does not own.
+const MEMBERS_NOT_OF_THE_OWNER: &str = "
+    SELECT pg_catalog.pg_describe_object(d.classid, d.objid, 0)
+    FROM pg_catalog.pg_depend d
+    JOIN pg_catalog.pg_extension x ON x.oid = d.refobjid AND x.extname = 'durable_jobs'
+    LEFT JOIN pg_catalog.pg_proc p ON d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND p.oid = d.objid
+    LEFT JOIN pg_catalog.pg_class c ON d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND c.oid = d.objid
+    LEFT JOIN pg_catalog.pg_type t ON d.classid = 'pg_catalog.pg_type'::pg_catalog.regclass AND t.oid = d.objid
+    WHERE d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
+      AND coalesce(p.proowner, c.relowner, t.typowner) <> x.extowner
+    ORDER BY 1";
+
+/// The objects of the schema whose privileges differ from those pg_dump takes as the
+/// extension's own (it would dump a GRANT or REVOKE for each).
+fn privileges_dumped_as_changed(client: &mut Client) -> BTreeSet<String> {
+    client
+        .query(
+            "SELECT pg_describe_object(i.classoid, i.objoid, 0)
+             FROM pg_init_privs i
+             LEFT JOIN pg_proc p ON i.classoid = 'pg_proc'::regclass AND p.oid = i.objoid
+             LEFT JOIN pg_class c ON i.classoid = 'pg_class'::regclass AND c.oid = i.objoid
+             LEFT JOIN pg_type t ON i.classoid = 'pg_type'::regclass AND t.oid = i.objoid
+             WHERE i.objsubid = 0 AND i.initprivs IS DISTINCT FROM coalesce(p.proacl, c.relacl, t.typacl)
+               AND coalesce(p.pronamespace, c.relnamespace, t.typnamespace) = 'durable_jobs'::regnamespace",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[test]
+fn an_update_by_a_superuser_hands_what_it_creates_to_the_extensions_owner() {
+    // After REASSIGN OWNED the extension belongs to an ordinary role, which the library's
+    // functions act as; a superuser runs the update. Before the fix, everything the update
+    // created stayed the superuser's, and the owner could not even write its own table (the
+    // CHECK constraints' functions: 42501).
+    let cluster = Cluster::start_without_extension("");
+    let mut admin = cluster.connect();
+    admin.batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE queue_owner").unwrap();
+    cluster
+        .connect_as("first_owner")
+        .batch_execute(&format!("CREATE EXTENSION durable_jobs VERSION '{OLDEST_SUPPORTED_VERSION}'"))
+        .unwrap();
+    admin.batch_execute("REASSIGN OWNED BY first_owner TO queue_owner; DROP ROLE first_owner").unwrap();
+    admin
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{\"n\": 1}', queue_name => 'q')")
+        .expect("the old version works under its new owner");
+
+    let drifted_before = privileges_dumped_as_changed(&mut admin);
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
+    let foreign: Vec<String> =
+        admin.query(MEMBERS_NOT_OF_THE_OWNER, &[]).unwrap().iter().map(|row| row.get(0)).collect();
+    assert!(foreign.is_empty(), "left to the superuser who ran the update: {foreign:?}");
+    let owner: String = admin
+        .query_one("SELECT extowner::regrole::text FROM pg_extension WHERE extname = 'durable_jobs'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(owner, "queue_owner");
+    // PostgreSQL 15's REASSIGN OWNED leaves pg_init_privs naming the old owner (so pg_dump
+    // dumps those privileges as changed); the update must add no such privilege of its own.
+    let drifted_after = privileges_dumped_as_changed(&mut admin);
+    assert!(
+        drifted_after.is_subset(&drifted_before),
+        "the update left privileges for pg_dump to dump as changed: {:?}",
+        drifted_after.difference(&drifted_before).collect::<Vec<_>>()
+    );
+
+    // The library acts as queue_owner: every write and the status API work.
+    admin
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{\"n\": 2}', queue_name => 'q')")
+        .expect("enqueue after the update");
+    for _ in 0..2 {
+        let job = claim_from(&mut admin, "ext-1", "q", 60).expect("claim after the update");
+        assert_eq!(complete(&mut admin, &job, "ext-1"), "succeeded");
+        let state: String = admin
+            .query_one("SELECT job_state FROM durable_jobs.get_durable_job($1)", &[&job.job_id])
+            .unwrap()
+            .get(0);
+        assert_eq!(state, "succeeded");
+    }
+    let job_id: i64 = admin
+        .query_one(
+            "SELECT durable_jobs.enqueue_durable_job('external', '{\"n\": 3}', queue_name => 'q')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    admin.execute("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).expect("cancel after the update");
+    let state: String = admin
+        .query_one("SELECT job_state FROM durable_jobs.replay_durable_job($1, '{\"n\": 3}')", &[&job_id])
+        .expect("replay (it writes the audit table the update created) after the update")
+        .get(0);
+    assert_eq!(state, "available");
+}
+
 #[test]
 fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
     let old = Cluster::start("");
