@@ -154,6 +154,38 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
 }
 
 #[pg_test]
+fn the_worker_checks_a_handler_again_when_it_calls_it() {
+    // The load checks a batch's handlers once; a job later in the batch must not run a handler
+    // that changed hands (or was dropped) since.
+    Spi::run(
+        "CREATE ROLE dj_ch_enqueuer; CREATE ROLE dj_ch_other;
+         CREATE TABLE public.dj_ch_effects (n integer);
+         CREATE FUNCTION public.dj_ch(jsonb) RETURNS void LANGUAGE sql AS 'INSERT INTO public.dj_ch_effects VALUES (1)';
+         ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_enqueuer;",
+    )
+    .unwrap();
+    let handler = crate::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer").expect("runnable at load");
+    let call = || {
+        let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
+        match crate::execution::in_subtransaction(|| {
+            crate::execution::call_handler(handler, payload);
+            true
+        }) {
+            Ok(_) => "ran".to_string(),
+            Err(error) => error.sqlstate(),
+        }
+    };
+    assert_eq!(call(), "ran");
+    Spi::run("ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_other").unwrap();
+    assert_eq!(call(), "42501", "the owner changed after the load: dj_ch_enqueuer may not run dj_ch_other's code");
+    Spi::run("ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_enqueuer").unwrap();
+    assert_eq!(call(), "ran");
+    Spi::run("DROP FUNCTION public.dj_ch(jsonb)").unwrap();
+    assert_eq!(call(), "42883", "dropped after the load");
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM public.dj_ch_effects").unwrap(), Some(2));
+}
+
+#[pg_test]
 fn sqlstates_map_to_stable_failure_codes() {
     use crate::failure::FailureCode::*;
     for (sqlstate, expected) in [

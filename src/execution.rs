@@ -10,7 +10,7 @@
 //! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
-use crate::handlers::{runnable_handler, RunnableHandler};
+use crate::handlers::{may_run_routine, runnable_handler, RunnableHandler};
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
@@ -412,12 +412,15 @@ fn run_job(
 }
 
 /// Calls the handler routine by its oid with the payload, as SPI would run `SELECT f($1)` or
-/// `CALL p($1)`: after a command counter increment, with a fresh snapshot. The current role must
-/// still be allowed to execute it (fmgr itself does not check).
-fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
+/// `CALL p($1)`: after a command counter increment, with a fresh snapshot. The enqueuer must
+/// still be allowed to run it (`may_run_routine`; fmgr itself checks nothing).
+pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
     unsafe {
+        // Checked again at the call, not only at the batch's load: a grant, the owner or the
+        // routine itself may have changed since. A routine dropped since is 42883 here.
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK
+            || may_run_routine(handler.routine, handler.role).is_none()
         {
             ereport!(
                 ERROR,

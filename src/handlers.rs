@@ -211,6 +211,15 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
         if role == pg_sys::Oid::INVALID {
             return None;
         }
+        may_run_routine(routine, role).map(|is_procedure| RunnableHandler { routine, is_procedure, role })
+    }
+}
+
+/// Whether `role` may run `routine` as a handler: it may execute it, the routine returns no set,
+/// and its owner's code may run as that role (`runs_code_of`). Some(whether it is a procedure)
+/// when it may; None when it may not or the routine is gone.
+pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option<bool> {
+    unsafe {
         let row = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as i32, routine.into_datum()?);
         if row.is_null() {
             return None;
@@ -223,6 +232,6 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
             == pg_sys::AclResult::ACLCHECK_OK
             && !returns_set
             && runs_code_of(role, owner);
-        may_run.then_some(RunnableHandler { routine, is_procedure, role })
+        may_run.then_some(is_procedure)
     }
 }
