@@ -215,11 +215,20 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
     }
 }
 
-/// Whether `role` may run `routine` as a handler: it may execute it, the routine returns no set,
-/// and its owner's code may run as that role (`runs_code_of`). Some(whether it is a procedure)
-/// when it may; None when it may not or the routine is gone.
+/// Whether `role` may run `routine` as a handler: the role exists and may execute it, the
+/// routine returns no set, and its owner's code may run as that role (`runs_code_of`).
+/// Some(whether it is a procedure) when it may; None when it may not or the routine is gone.
 pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option<bool> {
     unsafe {
+        if !pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::AUTHOID as i32,
+            role.into_datum()?,
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        ) {
+            return None;
+        }
         let row = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::PROCOID as i32, routine.into_datum()?);
         if row.is_null() {
             return None;

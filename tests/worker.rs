@@ -319,6 +319,75 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
 }
 
 #[test]
+fn a_handler_whose_owner_changed_while_its_batch_ran_does_not_run() {
+    // dj_stranger's code must not run as dj_enqueuer, whatever the batch's load saw.
+    let ran = record_n_after_a_change_mid_batch(
+        "dj_enqueuer",
+        "ALTER FUNCTION public.record_n(jsonb) OWNER TO dj_stranger",
+    );
+    assert_eq!(ran, (("failed".into(), Some("target_rejected".into()), 1), 0));
+}
+
+#[test]
+fn a_job_whose_enqueuer_was_dropped_while_its_batch_ran_does_not_run() {
+    // The handler is a superuser's and anyone may execute it: only the role's absence stops it.
+    let ran =
+        record_n_after_a_change_mid_batch("postgres", "DROP OWNED BY dj_enqueuer; DROP ROLE dj_enqueuer");
+    assert_eq!(ran, (("failed".into(), Some("target_rejected".into()), 1), 0));
+}
+
+/// Enqueues, as dj_enqueuer and in one batch, a job that waits for the test and then a record_n
+/// job (its handler owned by `record_n_owner`), and applies `change` while the first one waits.
+/// The record_n job's outcome and the rows its handler wrote.
+fn record_n_after_a_change_mid_batch(
+    record_n_owner: &str,
+    change: &str,
+) -> ((String, Option<String>, i32), i64) {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE dj_enqueuer LOGIN; CREATE ROLE dj_stranger;
+             GRANT USAGE ON SCHEMA durable_jobs TO dj_enqueuer;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer)
+               TO dj_enqueuer;
+             CREATE TABLE public.effects (n integer);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.wait_for_the_test(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_advisory_xact_lock(4244) $$;
+             CREATE FUNCTION public.record_n(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+             ALTER FUNCTION public.record_n(jsonb) OWNER TO {record_n_owner};
+             SELECT durable_jobs.register_durable_job_handler('wait', 'public.wait_for_the_test(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('record_n', 'public.record_n(jsonb)');
+             SELECT pg_advisory_lock(4244);"
+        ))
+        .unwrap();
+    let mut enqueuer = cluster.connect_as("dj_enqueuer");
+    let mut txn = enqueuer.transaction().unwrap();
+    txn.batch_execute(
+        "SELECT durable_jobs.enqueue_durable_job('wait', '{}', priority => 10);
+         SELECT durable_jobs.enqueue_durable_job('record_n', '{\"n\": 1}');",
+    )
+    .unwrap();
+    txn.commit().unwrap();
+    drop(enqueuer);
+    wait_for_a_handler_waiting_on_an_advisory_lock(&cluster);
+    // Two statements: in one, the unlock would come before the change's commit.
+    admin.batch_execute(change).unwrap();
+    admin.batch_execute("SELECT pg_advisory_unlock(4244)").unwrap();
+    wait_until(Duration::from_secs(30), "both jobs to end", || {
+        jobs_in_state(&mut admin, "succeeded") + jobs_in_state(&mut admin, "failed") == 2
+    });
+    assert_eq!(job_outcome(&mut admin, "job_kind = 'wait'").0, "succeeded");
+    (
+        job_outcome(&mut admin, "job_kind = 'record_n'"),
+        count(&mut admin, "SELECT count(*) FROM public.effects"),
+    )
+}
+
+#[test]
 fn with_log_handler_errors_on_the_worker_logs_each_handler_error_without_the_payload() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.log_handler_errors = on\n"));
     let mut client = cluster.connect();
