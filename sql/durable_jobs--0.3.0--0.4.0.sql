@@ -314,7 +314,7 @@ BEGIN
     SELECT x.extowner INTO extension_owner FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs';
     FOR member IN
         SELECT 'ROUTINE ' || p.oid::pg_catalog.regprocedure::pg_catalog.text AS object,
-               d.classid, d.objid
+               d.classid, d.objid, p.proowner AS owner
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_proc p ON p.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND p.proowner <> extension_owner
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
@@ -322,7 +322,7 @@ BEGIN
         UNION ALL
         -- A table's sequences and indexes go with it.
         SELECT CASE c.relkind WHEN 'v' THEN 'VIEW ' WHEN 'S' THEN 'SEQUENCE ' ELSE 'TABLE ' END
-               || c.oid::pg_catalog.regclass::pg_catalog.text, d.classid, d.objid
+               || c.oid::pg_catalog.regclass::pg_catalog.text, d.classid, d.objid, c.relowner
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_class c ON c.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND c.relowner <> extension_owner
           AND c.relkind IN ('r', 'v', 'S')
@@ -332,7 +332,7 @@ BEGIN
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
           AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
         UNION ALL
-        SELECT 'TYPE ' || t.oid::pg_catalog.regtype::pg_catalog.text, d.classid, d.objid
+        SELECT 'TYPE ' || t.oid::pg_catalog.regtype::pg_catalog.text, d.classid, d.objid, t.typowner
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_type t ON t.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_type'::pg_catalog.regclass AND t.typowner <> extension_owner
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
@@ -340,15 +340,24 @@ BEGIN
     LOOP
         EXECUTE pg_catalog.format('ALTER %s OWNER TO %s', member.object,
                                   extension_owner::pg_catalog.regrole::pg_catalog.text);
-        -- The member's, and those of the sequences that went with a table.
+        -- Its initial privileges (and those of the sequences that went with a table) as the
+        -- script gave them, with the new owner for the old, as ALTER OWNER does to the ACL
+        -- (PostgreSQL 15 leaves them): not the current ACL, which holds the operators' grants
+        -- (the claim's, carried above), and pg_dump dumps only what differs from these. One
+        -- item per grantee and grantor, as in an ACL; PostgreSQL 15's makeaclitem takes one
+        -- privilege, so each item is written as text from the letters it gives.
         UPDATE pg_catalog.pg_init_privs i
-        SET initprivs = COALESCE(CASE i.classoid
-            WHEN 'pg_catalog.pg_proc'::pg_catalog.regclass
-                THEN (SELECT p.proacl FROM pg_catalog.pg_proc p WHERE p.oid = i.objoid)
-            WHEN 'pg_catalog.pg_class'::pg_catalog.regclass
-                THEN (SELECT c.relacl FROM pg_catalog.pg_class c WHERE c.oid = i.objoid)
-            ELSE (SELECT t.typacl FROM pg_catalog.pg_type t WHERE t.oid = i.objoid) END, i.initprivs)
-        WHERE i.classoid = member.classid AND i.objsubid = 0
+        SET initprivs = (
+            SELECT pg_catalog.array_agg((CASE g.grantee WHEN 0 THEN '' ELSE g.grantee::pg_catalog.regrole::pg_catalog.text END
+                                         || '=' || g.letters || '/' || g.grantor::pg_catalog.regrole::pg_catalog.text)::pg_catalog.aclitem)
+            FROM (SELECT CASE a.grantee WHEN member.owner THEN extension_owner ELSE a.grantee END AS grantee,
+                         CASE a.grantor WHEN member.owner THEN extension_owner ELSE a.grantor END AS grantor,
+                         pg_catalog.string_agg(pg_catalog.substring(
+                             pg_catalog.makeaclitem(0, extension_owner, a.privilege_type, a.is_grantable)::pg_catalog.text,
+                             '^=([^/]*)/'), '') AS letters
+                  FROM pg_catalog.aclexplode(i.initprivs) a
+                  GROUP BY 1, 2) g)
+        WHERE i.classoid = member.classid
           AND (i.objoid = member.objid
                OR i.objoid IN (SELECT o.objid FROM pg_catalog.pg_depend o
                                WHERE o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass

@@ -349,7 +349,8 @@ const MEMBERS_NOT_OF_THE_OWNER: &str = "
     ORDER BY 1";
 
 /// The objects of the schema whose privileges differ from those pg_dump takes as the
-/// extension's own (it would dump a GRANT or REVOKE for each).
+/// extension's own (it would dump a GRANT or REVOKE for each); compared, as pg_dump does, as
+/// sets of items.
 fn privileges_dumped_as_changed(client: &mut Client) -> BTreeSet<String> {
     client
         .query(
@@ -358,7 +359,10 @@ fn privileges_dumped_as_changed(client: &mut Client) -> BTreeSet<String> {
              LEFT JOIN pg_proc p ON i.classoid = 'pg_proc'::regclass AND p.oid = i.objoid
              LEFT JOIN pg_class c ON i.classoid = 'pg_class'::regclass AND c.oid = i.objoid
              LEFT JOIN pg_type t ON i.classoid = 'pg_type'::regclass AND t.oid = i.objoid
-             WHERE i.objsubid = 0 AND i.initprivs IS DISTINCT FROM coalesce(p.proacl, c.relacl, t.typacl)
+             WHERE i.objsubid = 0
+               AND (SELECT array_agg(x::text ORDER BY x::text) FROM unnest(i.initprivs) x)
+                   IS DISTINCT FROM (SELECT array_agg(x::text ORDER BY x::text)
+                                     FROM unnest(coalesce(p.proacl, c.relacl, t.typacl)) x)
                AND coalesce(p.pronamespace, c.relnamespace, t.typnamespace) = 'durable_jobs'::regnamespace",
             &[],
         )
@@ -382,6 +386,14 @@ fn an_update_by_a_superuser_hands_what_it_creates_to_the_extensions_owner() {
         .batch_execute(&format!("CREATE EXTENSION durable_jobs VERSION '{OLDEST_SUPPORTED_VERSION}'"))
         .unwrap();
     admin.batch_execute("REASSIGN OWNED BY first_owner TO queue_owner; DROP ROLE first_owner").unwrap();
+    // An operator's grant on the claim, which the update carries to the claim it replaces it with.
+    admin
+        .batch_execute(
+            "CREATE ROLE queue_worker;
+             GRANT EXECUTE ON FUNCTION durable_jobs.claim_next_durable_job(text, text[], integer)
+               TO queue_worker",
+        )
+        .unwrap();
     admin
         .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{\"n\": 1}', queue_name => 'q')")
         .expect("the old version works under its new owner");
@@ -398,7 +410,43 @@ fn an_update_by_a_superuser_hands_what_it_creates_to_the_extensions_owner() {
     assert_eq!(owner, "queue_owner");
     // PostgreSQL 15's REASSIGN OWNED leaves pg_init_privs naming the old owner (so pg_dump
     // dumps those privileges as changed); the update must add no such privilege of its own.
-    let drifted_after = privileges_dumped_as_changed(&mut admin);
+    let mut drifted_after = privileges_dumped_as_changed(&mut admin);
+    assert!(
+        drifted_after.remove("function durable_jobs.claim_next_durable_job(text,text[],integer,text[])"),
+        "the operator's grant on the claim must be dumped as theirs: {drifted_after:?}"
+    );
+    let claim_privileges: Vec<bool> = admin
+        .query_one(
+            "SELECT array_agg(
+                        (SELECT bool_or(a.grantee = 'queue_worker'::regrole) FROM aclexplode(acl) a)
+                        ORDER BY n)
+             FROM pg_proc p, pg_init_privs i,
+                  LATERAL (VALUES (1, p.proacl), (2, i.initprivs)) v(n, acl)
+             WHERE p.oid = 'durable_jobs.claim_next_durable_job(text, text[], integer, text[])'::regprocedure
+               AND i.objoid = p.oid AND i.classoid = 'pg_proc'::regclass AND i.objsubid = 0",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        claim_privileges,
+        [true, false],
+        "queue_worker in the claim's ACL, not in its initial privileges"
+    );
+    let dump = std::process::Command::new(cluster.program("pg_dump"))
+        .args(["--schema-only", &format!("--dbname={}", cluster.connection_string())])
+        .output()
+        .expect("pg_dump");
+    assert!(dump.status.success(), "{}", String::from_utf8_lossy(&dump.stderr));
+    let grants: Vec<String> = String::from_utf8_lossy(&dump.stdout)
+        .lines()
+        .filter(|line| line.starts_with("GRANT") && line.contains("claim_next_durable_job"))
+        .map(String::from)
+        .collect();
+    assert!(
+        grants.iter().any(|grant| grant.ends_with("TO queue_worker;")),
+        "pg_dump must dump the operator's grant on the claim: {grants:?}"
+    );
     assert!(
         drifted_after.is_subset(&drifted_before),
         "the update left privileges for pg_dump to dump as changed: {:?}",
