@@ -88,8 +88,10 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         }
         // Jobs claimed ahead run next, whatever else this poll met.
         if found_job || claimed_ahead {
+            report_statistics(false);
             continue;
         }
+        report_statistics(true);
         let wait = || BackgroundWorker::wait_latch(Some(settings::poll_interval()));
         if !in_transaction_or_logged("wait", wait).unwrap_or(true) {
             break;
@@ -179,7 +181,15 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         if !batch.is_empty() {
             run_batch(&batch, &later, &worker_id, handover.lease_seconds, false);
         }
+        report_statistics(true);
     });
+}
+
+/// Hands this session's table and WAL counts to the cumulative statistics, which autovacuum
+/// decides from: PostgreSQL reports a background worker's only when it exits. At most once a
+/// second while busy; `idle` (about to wait) reports whatever is left.
+fn report_statistics(idle: bool) {
+    unsafe { pg_sys::pgstat_report_stat(idle) };
 }
 
 /// Sets a setting for the worker's whole session, above what postgresql.conf, the database or

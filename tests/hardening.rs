@@ -1362,6 +1362,44 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
 }
 
 #[test]
+fn the_writes_of_the_worker_and_of_role_runners_reach_the_statistics() {
+    // Autovacuum decides from the cumulative statistics; a background worker's counts reach
+    // them only when it reports them (PostgreSQL does it for it at exit only). app_a's jobs
+    // bind the worker; app_b's run in a role runner.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('note', 'public.note(jsonb)');",
+        )
+        .unwrap();
+    let counted = |admin: &mut Client| {
+        count(admin, "SELECT n_tup_ins FROM pg_stat_user_tables WHERE relid = 'public.effects'::regclass")
+    };
+    for (role, total) in [("app_a", 20), ("app_b", 40)] {
+        cluster
+            .connect_as(role)
+            .batch_execute(
+                "SELECT durable_jobs.enqueue_durable_job('note', '{}') FROM generate_series(1, 20)",
+            )
+            .unwrap();
+        wait_until(Duration::from_secs(30), &format!("{role}'s jobs to finish"), || {
+            finished(&mut admin) == total
+        });
+        wait_until(Duration::from_secs(30), &format!("{role}'s handlers' inserts in the statistics"), || {
+            counted(&mut admin) == total
+        });
+    }
+    // Not only when it ends (a runner ends after 10 s without work), as it did before.
+    let runners = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs role runner'";
+    assert_eq!(count(&mut admin, runners), 1, "the role runner reported while it still ran");
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 20);
+}
+
+#[test]
 fn a_large_batch_of_another_role_keeps_every_lease_until_it_runs() {
     // app_a's job binds the worker; then one claim takes 600 of app_b's jobs (one attempt each),
     // more than one hand-over to the role runner carries, and many times longer to run than a
