@@ -343,21 +343,28 @@ BEGIN
         -- Its initial privileges (and those of the sequences that went with a table) as the
         -- script gave them, with the new owner for the old, as ALTER OWNER does to the ACL
         -- (PostgreSQL 15 leaves them): not the current ACL, which holds the operators' grants
-        -- (the claim's, carried above), and pg_dump dumps only what differs from these. One
-        -- item per grantee and grantor, as in an ACL; PostgreSQL 15's makeaclitem takes one
-        -- privilege, so each item is written as text from the letters it gives.
+        -- (the claim's, carried above), and pg_dump dumps only what differs from these. A role
+        -- dropped since (PostgreSQL 15 does not keep them from naming one: an earlier update's
+        -- superuser) counts as an old owner. One item per grantee and grantor, as in an ACL;
+        -- PostgreSQL 15's makeaclitem takes one privilege, so each item is written as text
+        -- from the letters it gives.
         UPDATE pg_catalog.pg_init_privs i
         SET initprivs = (
             SELECT pg_catalog.array_agg((CASE g.grantee WHEN 0 THEN '' ELSE g.grantee::pg_catalog.regrole::pg_catalog.text END
-                                         || '=' || g.letters || '/' || g.grantor::pg_catalog.regrole::pg_catalog.text)::pg_catalog.aclitem)
-            FROM (SELECT CASE a.grantee WHEN member.owner THEN extension_owner ELSE a.grantee END AS grantee,
-                         CASE a.grantor WHEN member.owner THEN extension_owner ELSE a.grantor END AS grantor,
+                                         || '=' || g.letters || '/' || g.grantor::pg_catalog.regrole::pg_catalog.text)::pg_catalog.aclitem
+                                        ORDER BY g.grantee, g.grantor)
+            FROM (SELECT CASE WHEN a.grantee = member.owner
+                                   OR (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee))
+                              THEN extension_owner ELSE a.grantee END AS grantee,
+                         CASE WHEN a.grantor = member.owner
+                                   OR NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantor)
+                              THEN extension_owner ELSE a.grantor END AS grantor,
                          pg_catalog.string_agg(pg_catalog.substring(
                              pg_catalog.makeaclitem(0, extension_owner, a.privilege_type, a.is_grantable)::pg_catalog.text,
                              '^=([^/]*)/'), '') AS letters
                   FROM pg_catalog.aclexplode(i.initprivs) a
                   GROUP BY 1, 2) g)
-        WHERE i.classoid = member.classid
+        WHERE i.classoid = member.classid AND pg_catalog.cardinality(i.initprivs) > 0
           AND (i.objoid = member.objid
                OR i.objoid IN (SELECT o.objid FROM pg_catalog.pg_depend o
                                WHERE o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass

@@ -482,6 +482,39 @@ fn an_update_by_a_superuser_hands_what_it_creates_to_the_extensions_owner() {
 }
 
 #[test]
+fn an_update_hands_over_objects_whose_initial_privileges_name_a_dropped_role() {
+    // An earlier update by another superuser, since dropped: PostgreSQL 15 keeps its oid in the
+    // initial privileges of what that update created. Before the fix, the hand-over could not
+    // write such an item back and the update failed ("role ... does not exist").
+    let cluster = Cluster::start_without_extension("");
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE updater SUPERUSER LOGIN")
+        .unwrap();
+    cluster.connect_as("first_owner").batch_execute("CREATE EXTENSION durable_jobs VERSION '0.2.0'").unwrap();
+    cluster.connect_as("updater").batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'").unwrap();
+    admin.batch_execute("REASSIGN OWNED BY updater TO postgres; DROP ROLE updater").unwrap();
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
+    let foreign: Vec<String> =
+        admin.query(MEMBERS_NOT_OF_THE_OWNER, &[]).unwrap().iter().map(|row| row.get(0)).collect();
+    assert!(foreign.is_empty(), "not handed to first_owner: {foreign:?}");
+    let naming_no_role = count(
+        &mut admin,
+        "SELECT count(*)
+         FROM pg_init_privs i
+         JOIN pg_depend d ON d.classid = i.classoid AND d.objid = i.objoid AND d.deptype = 'e'
+         JOIN pg_extension x ON x.oid = d.refobjid AND x.extname = 'durable_jobs',
+         aclexplode(i.initprivs) a
+         WHERE a.grantor NOT IN (SELECT oid FROM pg_roles)
+            OR (a.grantee <> 0 AND a.grantee NOT IN (SELECT oid FROM pg_roles))",
+    );
+    assert_eq!(naming_no_role, 0, "initial privileges of the extension's objects that name a dropped role");
+    admin
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{}')")
+        .expect("enqueue after the update");
+}
+
+#[test]
 fn pg_upgrade_accepts_a_cluster_with_durable_jobs_and_keeps_its_jobs() {
     let old = Cluster::start("");
     let mut client = old.connect();
