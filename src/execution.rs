@@ -10,7 +10,7 @@
 //! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
-use crate::handlers::{may_run_routine, runnable_handler, RunnableHandler};
+use crate::handlers::{may_run_routine, routine_still_exists, runnable_handler, RunnableHandler};
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
@@ -377,6 +377,11 @@ fn run_job(
         // No handler, an enqueuer that no longer exists, or a handler it may not run.
         return Outcome::Failed(FailureCode::TargetRejected, None);
     };
+    if !routine_still_exists(handler.routine) {
+        // Dropped since the load, perhaps to be created again (a registration keeps the
+        // signature): a retry resolves it anew.
+        return Outcome::Failed(FailureCode::TargetUnavailable, None);
+    }
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
@@ -419,7 +424,7 @@ pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
         // Checked again at the call, not only at the batch's load: a grant, the owner, the role
         // or the routine itself may have changed since. The catalog caches take in other
         // sessions' changes only when told to (a lock not yet held): a batch whose handlers take
-        // none would see its load's catalog. A routine dropped since is 42883 here.
+        // none would see its load's catalog.
         pg_sys::AcceptInvalidationMessages();
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK

@@ -215,6 +215,20 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
     }
 }
 
+/// Whether `routine` exists, as other sessions' committed changes left it.
+pub(crate) fn routine_still_exists(routine: pg_sys::Oid) -> bool {
+    unsafe {
+        pg_sys::AcceptInvalidationMessages();
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::PROCOID as i32,
+            pg_sys::Datum::from(routine),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
 /// Whether `role` may run `routine` as a handler: the role exists and may execute it, the
 /// routine returns no set, and its owner's code may run as that role (`runs_code_of`).
 /// Some(whether it is a procedure) when it may; None when it may not or the routine is gone.

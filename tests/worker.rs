@@ -336,6 +336,22 @@ fn a_job_whose_enqueuer_was_dropped_while_its_batch_ran_does_not_run() {
     assert_eq!(ran, (("failed".into(), Some("target_rejected".into()), 1), 0));
 }
 
+#[test]
+fn a_handler_created_again_while_its_batch_ran_runs_at_the_retry() {
+    // Dropped and created again in one transaction (a deploy): the batch's routine is gone, the
+    // registration (by signature) is not. Before, the job failed for good (42883, rejected).
+    let ran = record_n_after_a_change_mid_batch(
+        "dj_enqueuer",
+        "BEGIN;
+         DROP FUNCTION public.record_n(jsonb);
+         CREATE FUNCTION public.record_n(payload jsonb) RETURNS void LANGUAGE sql
+             AS $$ INSERT INTO public.effects VALUES ((payload->>'n')::integer) $$;
+         ALTER FUNCTION public.record_n(jsonb) OWNER TO dj_enqueuer;
+         COMMIT",
+    );
+    assert_eq!(ran, (("succeeded".into(), Some("target_unavailable".into()), 2), 1));
+}
+
 /// Enqueues, as dj_enqueuer and in one batch, a job that waits for the test and then a record_n
 /// job (its handler owned by `record_n_owner`), and applies `change` while the first one waits.
 /// The record_n job's outcome and the rows its handler wrote.
