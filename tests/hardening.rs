@@ -27,6 +27,14 @@ fn cluster_with_app_roles(extra_conf: &str) -> (Cluster, Client) {
     (cluster, admin)
 }
 
+/// Handler kind 'note': one row per job in public.effects, naming the role it ran as.
+const NOTE_HANDLER: &str = "
+    CREATE TABLE public.effects (who name);
+    GRANT INSERT ON public.effects TO PUBLIC;
+    CREATE FUNCTION public.note(payload jsonb) RETURNS void LANGUAGE sql
+        AS $$ INSERT INTO public.effects VALUES (current_user) $$;
+    SELECT durable_jobs.register_durable_job_handler('note', 'public.note(jsonb)');";
+
 fn finished(client: &mut Client) -> i64 {
     count(client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL")
 }
@@ -1331,15 +1339,7 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
         "{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\n"
     ));
-    admin
-        .batch_execute(
-            "CREATE TABLE public.effects (who name);
-             GRANT INSERT ON public.effects TO PUBLIC;
-             CREATE FUNCTION public.note(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
-             SELECT durable_jobs.register_durable_job_handler('note', 'public.note(jsonb)');",
-        )
-        .unwrap();
+    admin.batch_execute(NOTE_HANDLER).unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     enqueue(&mut app_a, "note");
@@ -1367,15 +1367,7 @@ fn the_writes_of_the_worker_and_of_role_runners_reach_the_statistics() {
     // them only when it reports them (PostgreSQL does it for it at exit only). app_a's jobs
     // bind the worker; app_b's run in a role runner.
     let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
-    admin
-        .batch_execute(
-            "CREATE TABLE public.effects (who name);
-             GRANT INSERT ON public.effects TO PUBLIC;
-             CREATE FUNCTION public.note(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
-             SELECT durable_jobs.register_durable_job_handler('note', 'public.note(jsonb)');",
-        )
-        .unwrap();
+    admin.batch_execute(NOTE_HANDLER).unwrap();
     let counted = |admin: &mut Client| {
         count(admin, "SELECT n_tup_ins FROM pg_stat_user_tables WHERE relid = 'public.effects'::regclass")
     };
