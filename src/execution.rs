@@ -422,10 +422,8 @@ fn run_job(
 pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
     unsafe {
         // Checked again at the call, not only at the batch's load: a grant, the owner, the role
-        // or the routine itself may have changed since. The catalog caches take in other
-        // sessions' changes only when told to (a lock not yet held): a batch whose handlers take
-        // none would see its load's catalog.
-        pg_sys::AcceptInvalidationMessages();
+        // or the routine itself may have changed since. The caller's `routine_still_exists`
+        // has just taken in other sessions' changes to the catalog caches.
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK
             || may_run_routine(handler.routine, handler.role).is_none()

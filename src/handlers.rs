@@ -215,7 +215,9 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
     }
 }
 
-/// Whether `routine` exists, as other sessions' committed changes left it.
+/// Whether `routine` exists, as other sessions' committed changes left it. The catalog caches
+/// take those in only when told to (or at a lock not yet held): a batch whose handlers take none
+/// would otherwise see its load's catalog, in this check and the handler check after it.
 pub(crate) fn routine_still_exists(routine: pg_sys::Oid) -> bool {
     unsafe {
         pg_sys::AcceptInvalidationMessages();
