@@ -337,7 +337,8 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
 }
 
 /// Members of the extension (routines, relations, types) that its owner does not own.
-const MEMBERS_NOT_OF_THE_OWNER: &str = "
+fn members_not_of_the_owner(client: &mut Client) -> Vec<String> {
+    let query = "
     SELECT pg_catalog.pg_describe_object(d.classid, d.objid, 0)
     FROM pg_catalog.pg_depend d
     JOIN pg_catalog.pg_extension x ON x.oid = d.refobjid AND x.extname = 'durable_jobs'
@@ -347,6 +348,8 @@ const MEMBERS_NOT_OF_THE_OWNER: &str = "
     WHERE d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
       AND coalesce(p.proowner, c.relowner, t.typowner) <> x.extowner
     ORDER BY 1";
+    client.query(query, &[]).unwrap().iter().map(|row| row.get(0)).collect()
+}
 
 /// The objects of the schema whose privileges differ from those pg_dump takes as the
 /// extension's own (it would dump a GRANT or REVOKE for each); compared, as pg_dump does, as
@@ -400,8 +403,7 @@ fn an_update_by_a_superuser_hands_what_it_creates_to_the_extensions_owner() {
 
     let drifted_before = privileges_dumped_as_changed(&mut admin);
     admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
-    let foreign: Vec<String> =
-        admin.query(MEMBERS_NOT_OF_THE_OWNER, &[]).unwrap().iter().map(|row| row.get(0)).collect();
+    let foreign = members_not_of_the_owner(&mut admin);
     assert!(foreign.is_empty(), "left to the superuser who ran the update: {foreign:?}");
     let owner: String = admin
         .query_one("SELECT extowner::regrole::text FROM pg_extension WHERE extname = 'durable_jobs'", &[])
@@ -495,8 +497,7 @@ fn an_update_hands_over_objects_whose_initial_privileges_name_a_dropped_role() {
     cluster.connect_as("updater").batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'").unwrap();
     admin.batch_execute("REASSIGN OWNED BY updater TO postgres; DROP ROLE updater").unwrap();
     admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
-    let foreign: Vec<String> =
-        admin.query(MEMBERS_NOT_OF_THE_OWNER, &[]).unwrap().iter().map(|row| row.get(0)).collect();
+    let foreign = members_not_of_the_owner(&mut admin);
     assert!(foreign.is_empty(), "not handed to first_owner: {foreign:?}");
     let naming_no_role = count(
         &mut admin,
