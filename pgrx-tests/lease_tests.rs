@@ -119,6 +119,31 @@ fn claim_rejects_bad_input() {
 }
 
 #[pg_test]
+fn lease_tokens_are_distinct_version_4_uuids_across_refills_of_the_pool() {
+    // 600 tokens draw 9,600 bytes: more than two refills of the 4 KiB pool.
+    Spi::run("SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[600]))")
+        .unwrap();
+    Spi::run(
+        "CREATE TEMP TABLE tokens AS
+         SELECT c.lease_token FROM generate_series(1, 600) AS g(n),
+              LATERAL durable_jobs.claim_next_durable_job('w-' || g.n) c",
+    )
+    .unwrap();
+    let checks = Spi::get_three::<i64, i64, i64>(
+        "SELECT count(*), count(DISTINCT lease_token),
+                count(*) FILTER (WHERE substr(lease_token::text, 15, 1) = '4'
+                                   AND substr(lease_token::text, 20, 1) IN ('8', '9', 'a', 'b'))
+         FROM tokens",
+    );
+    assert_eq!(checks, Ok((Some(600), Some(600), Some(600))));
+    // No token repeats a stretch of another's bytes (a pool handed out twice would).
+    let halves = one::<i64>(
+        "SELECT count(DISTINCT substr(lease_token::text, 25, 12)) FROM tokens",
+    );
+    assert_eq!(halves, 600);
+}
+
+#[pg_test]
 fn an_expired_lease_is_reclaimed_with_a_new_token() {
     let job_id = enqueue("k", "{}");
     let (_, first_token) = claim("w1").unwrap();

@@ -15,6 +15,7 @@ use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
 use crate::privilege::{as_extension_owner, set_at_this_level, with_worker_settings};
+use crate::randomness;
 use crate::sql_types::JsonbDatum;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -410,7 +411,13 @@ fn run_job(
                 );
             }
             let sqlstate = error.sqlstate();
-            return Outcome::Failed(FailureCode::from_sqlstate(&sqlstate), Some(sqlstate));
+            // The routine may have been dropped after the check above, before or during the
+            // call (a permission error or a failed cache lookup then): a retry resolves it anew.
+            let code = match routine_still_exists(handler.routine) {
+                true => FailureCode::from_sqlstate(&sqlstate),
+                false => FailureCode::TargetUnavailable,
+            };
+            return Outcome::Failed(code, Some(sqlstate));
         }
     }
     Outcome::Counted
@@ -507,9 +514,7 @@ fn clear_session_state() {
         pg_sys::LockReleaseSession(USER_LOCKMETHOD);
         pg_sys::ResetTempTableNamespace();
         pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| ResetSequenceCaches());
-        let mut seed = [0u8; 8];
-        pg_sys::pg_strong_random(seed.as_mut_ptr().cast(), seed.len());
-        let seed = (u64::from_le_bytes(seed) as f64 / u64::MAX as f64) * 2.0 - 1.0;
+        let seed = randomness::new_seed();
         pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
             AtEOXact_LargeObject(true);
             pg_sys::DirectFunctionCall1Coll(Some(setseed), pg_sys::Oid::INVALID, seed.into_datum().unwrap());

@@ -232,7 +232,8 @@ pub(crate) fn routine_still_exists(routine: pg_sys::Oid) -> bool {
 }
 
 /// Whether `role` may run `routine` as a handler: the role exists and may execute it, the
-/// routine returns no set, and its owner's code may run as that role (`runs_code_of`).
+/// routine takes one jsonb and returns no set (as at the registration: an oid used again by
+/// another routine fails here), and its owner's code may run as that role (`runs_code_of`).
 /// Some(whether it is a procedure) when it may; None when it may not or the routine is gone.
 pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option<bool> {
     unsafe {
@@ -250,13 +251,17 @@ pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option
             return None;
         }
         let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_proc>(row);
-        let (is_procedure, returns_set, owner) =
-            ((*form).prokind == b'p' as std::ffi::c_char, (*form).proretset, (*form).proowner);
+        let kind = (*form).prokind as u8;
+        let takes_one_jsonb =
+            (*form).pronargs == 1 && (*form).proargtypes.values.as_slice(1)[0] == pg_sys::JSONBOID;
+        let (returns_set, owner) = ((*form).proretset, (*form).proowner);
         pg_sys::ReleaseSysCache(row);
         let may_run = pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             == pg_sys::AclResult::ACLCHECK_OK
+            && matches!(kind, b'f' | b'p')
+            && takes_one_jsonb
             && !returns_set
             && runs_code_of(role, owner);
-        may_run.then_some(is_procedure)
+        may_run.then_some(kind == b'p')
     }
 }

@@ -77,9 +77,10 @@ macro_rules! expire_exhausted_ctes {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `$claimed` adds the status columns' changes where the schema has them.
+// batch. `$claimed` adds the status columns' changes where the schema has them; `$token` makes
+// a lease token.
 macro_rules! claim_ctes {
-    ($kind_filter:expr, $claimed:expr) => {
+    ($kind_filter:expr, $claimed:expr, $token:expr) => {
         concat!(
             "
                 -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
@@ -112,7 +113,9 @@ macro_rules! claim_ctes {
             $claimed,
             "
                     lease_owner = $2,
-                    lease_token = pg_catalog.gen_random_uuid(),
+                    lease_token = ",
+            $token,
+            ",
                     lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
                     attempt_count = j.attempt_count + 1,
                     updated_at = pg_catalog.clock_timestamp()
@@ -126,12 +129,12 @@ macro_rules! claim_ctes {
 // The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
 // two parts touch disjoint rows (attempts used up or not).
 macro_rules! claim_statement {
-    ($kind_filter:expr, $claimed:expr, $expired:expr) => {
+    ($kind_filter:expr, $claimed:expr, $expired:expr, $token:expr) => {
         concat!(
             "WITH",
             expire_exhausted_ctes!($expired),
             ",",
-            claim_ctes!($kind_filter, $claimed),
+            claim_ctes!($kind_filter, $claimed, $token),
             "
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
@@ -155,11 +158,20 @@ macro_rules! any_kind {
     };
 }
 
-pub(crate) const CLAIM: &str = claim_statement!(any_kind!(), new_state_version!(), expiry_columns!());
+// Lease tokens from the library's pool of kernel random bytes (schemas from 0.4.0 on).
+macro_rules! new_lease_token {
+    () => {
+        "durable_jobs.durable_job_new_lease_token()"
+    };
+}
+
+pub(crate) const CLAIM: &str =
+    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), new_lease_token!());
 
 // The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
 // durable_jobs UPDATE.
-pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "");
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str =
+    claim_statement!(any_kind!(), "", "", "pg_catalog.gen_random_uuid()");
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
 // serves: a superuser's registration serves every role, another role's only the roles that have
@@ -176,7 +188,8 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
            AND (h.registered_by = durable_job.enqueued_by
                 OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
                                                            durable_job.enqueued_by::pg_catalog.text)))",
-        new_state_version!()
+        new_state_version!(),
+        new_lease_token!()
     ),
     "
     SELECT * FROM claimed"

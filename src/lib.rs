@@ -10,7 +10,7 @@
 //! (the background worker loop), `runner` (role runners: one session per role), `execution`
 //! (running one handler), `wakeup` (latches set at enqueue commit), `waiters` (latches of status
 //! waiters set at the commit of a job's change),
-//! `metrics`.
+//! `metrics`, `randomness` (lease tokens and seeds from the kernel's random source).
 
 use pgrx::prelude::*;
 
@@ -26,6 +26,7 @@ mod metrics;
 mod plans;
 mod privilege;
 mod queues;
+mod randomness;
 mod replay;
 mod retention;
 mod runner;

@@ -313,7 +313,7 @@ pub struct Handover {
 /// A runner's side: waits for hand-overs of worker `number` and gives each to `run`, as long as
 /// they come from the worker process and for the role of its first one; ends when retired, when
 /// idle for a while, or at the first hand-over not its own.
-pub fn serve_handovers(number: i32, mut reload_settings: impl FnMut(), mut run: impl FnMut(Handover)) {
+pub fn serve_handovers(number: i32, mut between_batches: impl FnMut(), mut run: impl FnMut(Handover)) {
     let handoff = handoff_of(number);
     let me = my_procno_plus_one();
     handoff.runner_procno.store(me, Ordering::Release);
@@ -337,7 +337,7 @@ pub fn serve_handovers(number: i32, mut reload_settings: impl FnMut(), mut run: 
         if handoff.retire_pid.load(Ordering::SeqCst) == my_pid {
             break;
         }
-        reload_settings();
+        between_batches();
         let Some((generation, owner, handover)) = read_consistently(number, handoff) else {
             // The worker is writing a hand-over just now.
             sleep_on_latch(Duration::from_millis(1));

@@ -86,13 +86,14 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             in_transaction_or_logged("pruning", prune_finished_jobs);
             last_prune = Instant::now();
         }
+        let statistics_due = report_statistics();
         // Jobs claimed ahead run next, whatever else this poll met.
         if found_job || claimed_ahead {
-            report_statistics(false);
             continue;
         }
-        report_statistics(true);
-        let wait = || BackgroundWorker::wait_latch(Some(settings::poll_interval()));
+        let timeout =
+            statistics_due.map_or(settings::poll_interval(), |due| due.min(settings::poll_interval()));
+        let wait = || BackgroundWorker::wait_latch(Some(timeout));
         if !in_transaction_or_logged("wait", wait).unwrap_or(true) {
             break;
         }
@@ -154,12 +155,15 @@ fn start_session(application_name: &str) {
 pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{} {number}", runner::RUNNER_TYPE));
-    let reload_settings = || {
+    // Between batches (the runner sleeps a second at most): statistics are reported at the
+    // top of its loop, after the worker was told the last batch is done.
+    let between_batches = || {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
+        report_statistics();
     };
-    runner::serve_handovers(number, reload_settings, |handover| {
+    runner::serve_handovers(number, between_batches, |handover| {
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
@@ -181,15 +185,40 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         if !batch.is_empty() {
             run_batch(&batch, &later, &worker_id, handover.lease_seconds, false);
         }
-        report_statistics(true);
     });
 }
 
+thread_local! {
+    /// When the statistics left pending by the last report are to be flushed, waiting for the
+    /// shared entries' locks if need be.
+    static STATISTICS_DUE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// How long counts may stay pending: a backend's idle loop leaves them up to ten seconds
+/// (PGSTAT_IDLE_INTERVAL), as long as a role runner waits for work before it ends.
+const STATISTICS_PENDING_AT_MOST: Duration = Duration::from_secs(1);
+
 /// Hands this session's table and WAL counts to the cumulative statistics, which autovacuum
-/// decides from: PostgreSQL reports a background worker's only when it exits. At most once a
-/// second while busy; `idle` (about to wait) reports whatever is left.
-fn report_statistics(idle: bool) {
-    unsafe { pg_sys::pgstat_report_stat(idle) };
+/// decides from: PostgreSQL reports a background worker's only when it exits. As a backend's
+/// idle loop does (postgres.c): at most once a second and without waiting for a lock; what that
+/// leaves pending is flushed, waiting, once due. Returns how long until then, for the wait.
+/// Between transactions only; an error is logged, not fatal to the worker.
+fn report_statistics() -> Option<Duration> {
+    if unsafe { pg_sys::IsTransactionOrTransactionBlock() } {
+        return None;
+    }
+    let now = Instant::now();
+    let force = STATISTICS_DUE.get().is_some_and(|due| now >= due);
+    let pending =
+        in_transaction_or_logged("reporting statistics", || unsafe { pg_sys::pgstat_report_stat(force) })
+            .is_some_and(|pending_ms| pending_ms > 0);
+    let due = match pending {
+        false => None,
+        true if force => Some(now + STATISTICS_PENDING_AT_MOST),
+        true => STATISTICS_DUE.get().or(Some(now + STATISTICS_PENDING_AT_MOST)),
+    };
+    STATISTICS_DUE.set(due);
+    due.map(|due| due.saturating_duration_since(Instant::now()))
 }
 
 /// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
@@ -207,12 +236,15 @@ fn set_session_option(name: &std::ffi::CStr, value: &str) {
 }
 
 /// Runs `f` and returns its result; when `f` raises an error (which aborts the transaction it
-/// ran in, the commit included), rolls back, and returns the error's SQLSTATE.
+/// ran in, the commit included), rolls back, and returns the error's SQLSTATE. Called between
+/// transactions only: it rolls back every level, also subtransactions an error left open (one
+/// raised while a job's subtransaction was released), which AbortCurrentTransaction would
+/// leave aborted with the transaction around them, failing every later poll.
 fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
         .catch_others(|error| {
             execution::disarm_statement_timeout();
-            unsafe { pg_sys::AbortCurrentTransaction() };
+            unsafe { pg_sys::AbortOutOfAnyTransaction() };
             Err(execution::sqlstate_of(&error))
         })
         .execute()

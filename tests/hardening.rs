@@ -1474,3 +1474,46 @@ fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_a
     let (state, code, attempts) = job_outcome(&mut admin, "job_kind = 'commits'");
     assert_eq!((state.as_str(), code.as_deref(), attempts), ("failed", Some("target_rejected"), 1));
 }
+
+#[test]
+fn a_job_whose_subtransaction_cannot_be_released_does_not_wedge_the_worker() {
+    // postgres_fdw releases its remote savepoint when the job's subtransaction is released; with
+    // the remote session gone, that release raises an error outside the handler. The worker
+    // then rolled back only the subtransaction, kept the transaction around it aborted, and
+    // failed every later poll with 25P02.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin
+        .batch_execute(&format!(
+            "CREATE EXTENSION postgres_fdw;
+             CREATE SERVER loopback FOREIGN DATA WRAPPER postgres_fdw
+                 OPTIONS (host '127.0.0.1', port '{}', dbname 'postgres', application_name 'loopback');
+             CREATE USER MAPPING FOR app_a SERVER loopback OPTIONS (user 'app_a', password_required 'false');
+             GRANT USAGE ON FOREIGN SERVER loopback TO app_a;
+             CREATE TABLE public.remote_rows (n int);
+             GRANT INSERT ON public.remote_rows TO app_a;
+             {NOTE_HANDLER}",
+            cluster.port
+        ))
+        .unwrap();
+    let mut app = cluster.connect_as("app_a");
+    app.batch_execute(
+        "CREATE FOREIGN TABLE public.far_rows (n int) SERVER loopback OPTIONS (table_name 'remote_rows');
+         CREATE FUNCTION public.cut_off(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO public.far_rows VALUES (1);
+             PERFORM pg_terminate_backend(pid) FROM pg_stat_activity
+               WHERE application_name = 'loopback' AND usename = current_user;
+             PERFORM pg_sleep(0.3);
+         END $$;
+         SELECT durable_jobs.register_durable_job_handler('cut_off', 'public.cut_off(jsonb)');
+         SELECT durable_jobs.enqueue_durable_job('cut_off', '{}', max_attempts => 1, priority => 10);",
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(30), "the cut-off job to end", || finished(&mut admin) == 1);
+    let (state, _) = outcome_of(&mut admin, "cut_off");
+    assert_eq!(state, "failed");
+    enqueue(&mut app, "note");
+    wait_until(Duration::from_secs(30), "a later job to run", || finished(&mut admin) == 2);
+    assert_eq!(outcome_of(&mut admin, "note"), ("succeeded".to_string(), None));
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.remote_rows"), 0);
+}
