@@ -379,6 +379,16 @@ fn lapsed_and_available_jobs_compete_in_claim_order() {
 /// The planner settings a statement runs under (plans::CLAIM_PLANNER_SETTINGS,
 /// plans::BATCH_PLANNER_SETTINGS), for this transaction: a plan explained here is the one the
 /// statement gets.
+/// `tokens` as the elements of an array literal.
+fn uuid_list(tokens: &[pgrx::Uuid]) -> String {
+    tokens.iter().map(|token| token.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// Lease tokens for `count` jobs, as the claims take them.
+fn lease_tokens(count: usize) -> Vec<pgrx::Uuid> {
+    (0..count).map(|_| crate::randomness::new_uuid()).collect()
+}
+
 fn planner_settings(settings: &[(&std::ffi::CStr, &std::ffi::CStr)]) {
     for (name, value) in settings {
         Spi::run(&format!("SET LOCAL {} = {}", name.to_str().unwrap(), value.to_str().unwrap())).unwrap();
@@ -407,7 +417,7 @@ fn the_claim_is_an_index_scan_in_claim_order() {
         let queues: Option<Vec<String>> = None;
         let plan = Spi::explain_with_args(
             &crate::lease::with_limit(crate::lease::CLAIM, 1),
-            &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into()],
+            &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into(), lease_tokens(1).into()],
         )
         .unwrap();
         let plan = format!("{:?}", plan.0);
@@ -440,9 +450,9 @@ fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
             let plan = explain_prepared(
-                "text[], text, float8, bool, text[]",
+                "text[], text, float8, bool, text[], uuid[]",
                 &crate::lease::with_limit(statement, limit),
-                "NULL, 'w', 60, false, NULL",
+                &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
                 "",
             );
             let job_table_scans = Spi::get_one_with_args::<String>(
@@ -594,9 +604,9 @@ fn a_claim_is_not_compiled_by_jit() {
     Spi::run("SET LOCAL jit_above_cost = 0").unwrap();
     planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
     let plan = explain_prepared(
-        "text[], text, float8, bool, text[]",
+        "text[], text, float8, bool, text[], uuid[]",
         &crate::lease::with_limit(crate::lease::CLAIM, 50),
-        "NULL, 'w', 60, false, NULL",
+        &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
         "ANALYZE, ",
     );
     assert!(!plan.contains("\"JIT\""), "{plan}");

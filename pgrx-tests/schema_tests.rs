@@ -172,20 +172,13 @@ fn every_function_pins_search_path_and_declares_volatility() {
                    AND p.proname <> ALL ($1)
                  ORDER BY 1",
                 None,
-                &[[&crate::constraints::C_FUNCTIONS[..], &[crate::randomness::LEASE_TOKEN_FUNCTION]].concat().into()],
+                &[crate::constraints::C_FUNCTIONS.to_vec().into()],
             )
             .unwrap()
             .map(|row| row.get::<String>(1).unwrap().unwrap())
             .collect()
     });
     assert_eq!(unpinned, Vec::<String>::new());
-    // The lease token is drawn per claimed row and looks no name up: volatile, no SET clause.
-    let token_function: bool = one(&format!(
-        "SELECT p.provolatile = 'v' AND p.proconfig IS NULL AND NOT p.prosecdef AND p.pronargs = 0
-         FROM pg_proc p WHERE p.oid = 'durable_jobs.{}()'::regprocedure",
-        crate::randomness::LEASE_TOKEN_FUNCTION
-    ));
-    assert!(token_function);
     // The compiled constraints run no SQL and look no name up: immutable C functions, no SET.
     let compiled: i64 = Spi::get_one_with_args(
         "SELECT count(*) FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang

@@ -202,15 +202,7 @@ CREATE FUNCTION durable_jobs.replay_durable_job(
     LANGUAGE c
     AS 'MODULE_PATHNAME', 'replay_durable_job_wrapper';
 
--- Lease tokens for the claims, from the library's pool of kernel random bytes.
-CREATE FUNCTION durable_jobs.durable_job_new_lease_token()
-    RETURNS pg_catalog.uuid
-    STRICT VOLATILE PARALLEL SAFE
-    LANGUAGE c
-    AS 'MODULE_PATHNAME', 'durable_job_new_lease_token_wrapper';
-
 -- As everything else in durable_jobs: no one but the owner until granted.
-REVOKE ALL ON FUNCTION durable_jobs.durable_job_new_lease_token() FROM PUBLIC;
 REVOKE ALL ON TABLE durable_jobs.durable_job_audit FROM PUBLIC;
 REVOKE ALL ON SEQUENCE durable_jobs.durable_job_audit_audit_id_seq FROM PUBLIC;
 REVOKE ALL ON FUNCTION durable_jobs.get_durable_job(pg_catalog.int8) FROM PUBLIC;
@@ -318,14 +310,10 @@ DO $hand_over$
 DECLARE
     extension_owner pg_catalog.oid;
     member record;
-    handed_over_classes pg_catalog.oid[] := '{}';
-    handed_over_objects pg_catalog.oid[] := '{}';
-    previous_owners pg_catalog.oid[] := '{}';
 BEGIN
     SELECT x.extowner INTO extension_owner FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs';
     FOR member IN
-        SELECT 'ROUTINE ' || p.oid::pg_catalog.regprocedure::pg_catalog.text AS object,
-               d.classid, d.objid, p.proowner AS owner
+        SELECT 'ROUTINE ' || p.oid::pg_catalog.regprocedure::pg_catalog.text AS object
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_proc p ON p.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND p.proowner <> extension_owner
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
@@ -333,7 +321,7 @@ BEGIN
         UNION ALL
         -- A table's sequences and indexes go with it.
         SELECT CASE c.relkind WHEN 'v' THEN 'VIEW ' WHEN 'S' THEN 'SEQUENCE ' ELSE 'TABLE ' END
-               || c.oid::pg_catalog.regclass::pg_catalog.text, d.classid, d.objid, c.relowner
+               || c.oid::pg_catalog.regclass::pg_catalog.text
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_class c ON c.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND c.relowner <> extension_owner
           AND c.relkind IN ('r', 'v', 'S')
@@ -343,7 +331,7 @@ BEGIN
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
           AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
         UNION ALL
-        SELECT 'TYPE ' || t.oid::pg_catalog.regtype::pg_catalog.text, d.classid, d.objid, t.typowner
+        SELECT 'TYPE ' || t.oid::pg_catalog.regtype::pg_catalog.text
         FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_type t ON t.oid = d.objid
         WHERE d.classid = 'pg_catalog.pg_type'::pg_catalog.regclass AND t.typowner <> extension_owner
           AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass AND d.deptype = 'e'
@@ -351,59 +339,48 @@ BEGIN
     LOOP
         EXECUTE pg_catalog.format('ALTER %s OWNER TO %s', member.object,
                                   extension_owner::pg_catalog.regrole::pg_catalog.text);
-        handed_over_classes := handed_over_classes || member.classid;
-        handed_over_objects := handed_over_objects || member.objid;
-        previous_owners := previous_owners || member.owner;
     END LOOP;
     -- The initial privileges of the members (and of the sequences that went with a table) as
-    -- the scripts gave them, with the new owner for the old of each member handed over, as
-    -- ALTER OWNER does to the ACL (PostgreSQL 15 leaves them): not the current ACL, which holds
-    -- the operators' grants (the claim's, carried above), and pg_dump dumps only what differs
-    -- from these. A role dropped since, in any member's (PostgreSQL 15 does not keep them from
-    -- naming one: an earlier update's superuser, its objects reassigned), counts as an old owner
-    -- too. One item per grantee and grantor, as in an ACL; PostgreSQL 15's makeaclitem takes one
+    -- the scripts gave them, with the extension's owner, which now owns every member, for any
+    -- role that granted them: the scripts grant only as the owner, so such a role is a former
+    -- owner, as ALTER OWNER takes it in the ACL (PostgreSQL 15 leaves pg_init_privs as it was,
+    -- and keeps no dropped role out of it: an earlier update's superuser, its objects
+    -- reassigned since, to this owner or another). Not the current ACL, which holds the
+    -- operators' grants (the claim's, carried above): pg_dump dumps what differs from these.
+    -- One item per grantee and grantor, as in an ACL; PostgreSQL 15's makeaclitem takes one
     -- privilege, so each item is written as text from the letters it gives.
     WITH owned_by AS (SELECT o.objid, o.refobjid FROM pg_catalog.pg_depend o
                       WHERE o.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                        AND o.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass AND o.deptype IN ('a', 'i'))
+                        AND o.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass AND o.deptype IN ('a', 'i')),
+    former_owner_items AS (
+        SELECT p.objoid, p.classoid, p.objsubid
+        FROM pg_catalog.pg_init_privs p
+        WHERE p.privtype = 'e' AND pg_catalog.cardinality(p.initprivs) > 0
+          AND EXISTS (SELECT FROM pg_catalog.aclexplode(p.initprivs) a
+                      WHERE a.grantor <> extension_owner
+                         OR (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee)))
+          AND EXISTS (SELECT FROM pg_catalog.pg_depend d
+                      WHERE d.classid = p.classoid AND d.deptype = 'e'
+                        AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass
+                        AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
+                        AND (d.objid = p.objoid
+                             OR (p.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                                 AND d.objid IN (SELECT o.refobjid FROM owned_by o WHERE o.objid = p.objoid)))))
     UPDATE pg_catalog.pg_init_privs i
     SET initprivs = (
         SELECT pg_catalog.array_agg((CASE g.grantee WHEN 0 THEN '' ELSE g.grantee::pg_catalog.regrole::pg_catalog.text END
                                      || '=' || g.letters || '/' || g.grantor::pg_catalog.regrole::pg_catalog.text)::pg_catalog.aclitem
                                     ORDER BY g.grantee, g.grantor)
-        FROM (SELECT CASE WHEN a.grantee = m.previous_owner
+        FROM (SELECT CASE WHEN (a.grantee = a.grantor AND a.grantor <> extension_owner)
                                OR (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee))
                           THEN extension_owner ELSE a.grantee END AS grantee,
-                     CASE WHEN a.grantor = m.previous_owner
-                               OR NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantor)
-                          THEN extension_owner ELSE a.grantor END AS grantor,
+                     extension_owner AS grantor,
                      pg_catalog.string_agg(pg_catalog.substring(
                          pg_catalog.makeaclitem(0, extension_owner, a.privilege_type, a.is_grantable)::pg_catalog.text,
                          '^=([^/]*)/'), '') AS letters
               FROM pg_catalog.aclexplode(i.initprivs) a
               GROUP BY 1, 2) g)
-    FROM (SELECT p.objoid, p.classoid, p.objsubid,
-                 (SELECT h.previous_owner
-                  FROM ROWS FROM (pg_catalog.unnest(handed_over_classes), pg_catalog.unnest(handed_over_objects),
-                                  pg_catalog.unnest(previous_owners)) AS h(classid, objid, previous_owner)
-                  WHERE h.classid = p.classoid
-                    AND (h.objid = p.objoid
-                         OR (p.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                             AND h.objid IN (SELECT o.refobjid FROM owned_by o WHERE o.objid = p.objoid))))
-                     AS previous_owner
-          FROM pg_catalog.pg_init_privs p
-          WHERE pg_catalog.cardinality(p.initprivs) > 0
-            AND EXISTS (SELECT FROM pg_catalog.pg_depend d
-                        WHERE d.classid = p.classoid AND d.deptype = 'e'
-                          AND d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass
-                          AND d.refobjid = (SELECT x.oid FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs')
-                          AND (d.objid = p.objoid
-                               OR (p.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass
-                                   AND d.objid IN (SELECT o.refobjid FROM owned_by o WHERE o.objid = p.objoid))))) m
-    WHERE i.objoid = m.objoid AND i.classoid = m.classoid AND i.objsubid = m.objsubid
-      AND (m.previous_owner IS NOT NULL
-           OR EXISTS (SELECT FROM pg_catalog.aclexplode(i.initprivs) a
-                      WHERE (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee))
-                         OR NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantor)));
+    FROM former_owner_items m
+    WHERE i.objoid = m.objoid AND i.classoid = m.classoid AND i.objsubid = m.objsubid;
 END
 $hand_over$;

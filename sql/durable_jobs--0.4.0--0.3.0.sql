@@ -72,7 +72,6 @@ DROP FUNCTION durable_jobs.list_durable_jobs(pg_catalog.text, pg_catalog.text[],
                                              pg_catalog.int4, pg_catalog.text);
 DROP FUNCTION durable_jobs.wait_for_durable_job(pg_catalog.int8, pg_catalog.int8, pg_catalog.float8);
 DROP FUNCTION durable_jobs.replay_durable_job(pg_catalog.int8, pg_catalog.jsonb, pg_catalog.int4);
-DROP FUNCTION durable_jobs.durable_job_new_lease_token();
 DROP TYPE durable_jobs.durable_job_listing;
 DROP TYPE durable_jobs.durable_job_status;
 -- Out of the extension first, so that pg_dump's list of its data tables forgets them too.

@@ -646,7 +646,10 @@ impl CaughtFailure {
 }
 
 /// Runs `f` in a subtransaction that is released when `f` returns true and rolled back when it
-/// returns false or raises an error, whose SQLSTATE and message are returned. User, memory context and
+/// returns false or raises an error, whose SQLSTATE and message are returned. An error raised
+/// while it is released (by another extension's subtransaction callback) rolls it back too and
+/// is returned the same way, as PL/pgSQL's exception blocks do: it stays this subtransaction's,
+/// not the transaction's. User, memory context and
 /// resource owner are restored on every path, and the statement timeout disarmed.
 pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
     unsafe {
@@ -658,20 +661,27 @@ pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, Caught
 
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(memory_context);
-        let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
-            .catch_others(|error| {
-                let report = report_of(&error);
-                Err(CaughtFailure {
-                    packed_sqlstate: report.sql_error_code() as i32,
-                    message: report.message().to_string(),
-                })
+        let caught = |error: pg_sys::panic::CaughtError| {
+            let report = report_of(&error);
+            Err(CaughtFailure {
+                packed_sqlstate: report.sql_error_code() as i32,
+                message: report.message().to_string(),
             })
-            .execute();
+        };
+        let mut result =
+            PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f()))).catch_others(caught).execute();
         disarm_statement_timeout();
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
         if matches!(result, Ok(true)) {
-            pg_sys::ReleaseCurrentSubTransaction();
-        } else {
+            result = PgTryBuilder::new(|| {
+                pg_sys::ReleaseCurrentSubTransaction();
+                Ok(true)
+            })
+            .catch_others(caught)
+            .execute();
+            pg_sys::MemoryContextSwitchTo(memory_context);
+        }
+        if !matches!(result, Ok(true)) {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
         }
         pg_sys::MemoryContextSwitchTo(memory_context);

@@ -9,6 +9,7 @@ use crate::arguments;
 use crate::failure::FailureCode;
 use crate::plans;
 use crate::privilege::{as_extension_owner, as_extension_owner_of, caller};
+use crate::randomness;
 use crate::settings;
 use crate::sql_types::JsonbDatum;
 use crate::waiters::{self, Change};
@@ -77,10 +78,10 @@ macro_rules! expire_exhausted_ctes {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `$claimed` adds the status columns' changes where the schema has them; `$token` makes
-// a lease token.
+// batch. `$claimed` adds the status columns' changes where the schema has them. The lease tokens
+// come in $6, one per job the claim may take (`randomness`), handed out in claim order.
 macro_rules! claim_ctes {
-    ($kind_filter:expr, $claimed:expr, $token:expr) => {
+    ($kind_filter:expr, $claimed:expr) => {
         concat!(
             "
                 -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
@@ -107,19 +108,18 @@ macro_rules! claim_ctes {
                     ORDER BY priority DESC, run_after, job_id
                     LIMIT {limit}
                     FOR UPDATE OF durable_job SKIP LOCKED),
+                numbered AS (SELECT job_id, pg_catalog.row_number() OVER () AS n FROM candidate),
                 claimed AS (
                 UPDATE durable_jobs.durable_job j
                 SET job_state = 'running', ",
             $claimed,
             "
                     lease_owner = $2,
-                    lease_token = ",
-            $token,
-            ",
+                    lease_token = ($6::pg_catalog.uuid[])[numbered.n],
                     lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
                     attempt_count = j.attempt_count + 1,
                     updated_at = pg_catalog.clock_timestamp()
-                FROM candidate WHERE j.job_id = candidate.job_id
+                FROM numbered WHERE j.job_id = numbered.job_id
                 RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
                           j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text)"
         )
@@ -129,12 +129,12 @@ macro_rules! claim_ctes {
 // The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
 // two parts touch disjoint rows (attempts used up or not).
 macro_rules! claim_statement {
-    ($kind_filter:expr, $claimed:expr, $expired:expr, $token:expr) => {
+    ($kind_filter:expr, $claimed:expr, $expired:expr) => {
         concat!(
             "WITH",
             expire_exhausted_ctes!($expired),
             ",",
-            claim_ctes!($kind_filter, $claimed, $token),
+            claim_ctes!($kind_filter, $claimed),
             "
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
@@ -158,20 +158,11 @@ macro_rules! any_kind {
     };
 }
 
-// Lease tokens from the library's pool of kernel random bytes (schemas from 0.4.0 on).
-macro_rules! new_lease_token {
-    () => {
-        "durable_jobs.durable_job_new_lease_token()"
-    };
-}
-
-pub(crate) const CLAIM: &str =
-    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), new_lease_token!());
+pub(crate) const CLAIM: &str = claim_statement!(any_kind!(), new_state_version!(), expiry_columns!());
 
 // The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
 // durable_jobs UPDATE.
-pub(crate) const CLAIM_ON_OLD_SCHEMA: &str =
-    claim_statement!(any_kind!(), "", "", "pg_catalog.gen_random_uuid()");
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "");
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
 // serves: a superuser's registration serves every role, another role's only the roles that have
@@ -188,8 +179,7 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
            AND (h.registered_by = durable_job.enqueued_by
                 OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
                                                            durable_job.enqueued_by::pg_catalog.text)))",
-        new_state_version!(),
-        new_lease_token!()
+        new_state_version!()
     ),
     "
     SELECT * FROM claimed"
@@ -531,12 +521,14 @@ pub fn claim_jobs(
                 }
             };
             let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
+                let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
                 let args = [
                     names(queue_names),
                     worker_id.into(),
                     f64::from(lease_seconds).into(),
                     handlers_only.into(),
                     names(job_kinds),
+                    lease_tokens.into(),
                 ];
                 let statement = match (handlers_only, installed.has_status_api) {
                     (true, _) => CLAIM_FOR_WORKER,

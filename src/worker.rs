@@ -202,7 +202,9 @@ const STATISTICS_PENDING_AT_MOST: Duration = Duration::from_secs(1);
 /// decides from: PostgreSQL reports a background worker's only when it exits. As a backend's
 /// idle loop does (postgres.c): at most once a second and without waiting for a lock; what that
 /// leaves pending is flushed, waiting, once due. Returns how long until then, for the wait.
-/// Between transactions only; an error is logged, not fatal to the worker.
+/// Between transactions only; an error is logged, not fatal to the worker. (PostgreSQL's
+/// unforced report times itself by the last transaction's end, which stands still between
+/// transactions: without the forced one, a runner waiting for work would never flush.)
 fn report_statistics() -> Option<Duration> {
     if unsafe { pg_sys::IsTransactionOrTransactionBlock() } {
         return None;
@@ -244,7 +246,15 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
         .catch_others(|error| {
             execution::disarm_statement_timeout();
-            unsafe { pg_sys::AbortOutOfAnyTransaction() };
+            unsafe {
+                pg_sys::AbortOutOfAnyTransaction();
+                // What the abort does not when the error came between transactions (postgres.c's
+                // recovery does the same); a cancel that came during it would cancel the next
+                // statement, not what it was meant for.
+                pg_sys::LWLockReleaseAll();
+                pg_sys::ConditionVariableCancelSleep();
+                pg_sys::QueryCancelPending = 0;
+            }
             Err(execution::sqlstate_of(&error))
         })
         .execute()

@@ -490,7 +490,8 @@ fn an_update_hands_over_objects_whose_initial_privileges_name_a_dropped_role() {
     // write such an item back and the update failed ("role ... does not exist"); with the
     // objects reassigned to the extension's owner (nothing to hand over), it left the oid there
     // and pg_dump wrote GRANT and REVOKE for a role that does not exist.
-    for reassigned_to in ["postgres", "first_owner"] {
+    // (Reassigned to, dropped): also kept, the former owner is no owner of the objects now.
+    for (reassigned_to, dropped) in [("postgres", true), ("first_owner", true), ("first_owner", false)] {
         let cluster = Cluster::start_without_extension("");
         let mut admin = cluster.connect();
         admin
@@ -504,13 +505,14 @@ fn an_update_hands_over_objects_whose_initial_privileges_name_a_dropped_role() {
             .connect_as("updater")
             .batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'")
             .unwrap();
-        admin
-            .batch_execute(&format!("REASSIGN OWNED BY updater TO {reassigned_to}; DROP ROLE updater"))
-            .unwrap();
+        admin.batch_execute(&format!("REASSIGN OWNED BY updater TO {reassigned_to}")).unwrap();
+        if dropped {
+            admin.batch_execute("DROP ROLE updater").unwrap();
+        }
         admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE").expect("update");
         let foreign = members_not_of_the_owner(&mut admin);
         assert!(foreign.is_empty(), "reassigned to {reassigned_to}, not handed to first_owner: {foreign:?}");
-        let naming_no_role = count(
+        let naming_another_role = count(
             &mut admin,
             "SELECT count(*)
              FROM pg_init_privs i
@@ -518,11 +520,13 @@ fn an_update_hands_over_objects_whose_initial_privileges_name_a_dropped_role() {
              JOIN pg_extension x ON x.oid = d.refobjid AND x.extname = 'durable_jobs',
              aclexplode(i.initprivs) a
              WHERE a.grantor NOT IN (SELECT oid FROM pg_roles)
-                OR (a.grantee <> 0 AND a.grantee NOT IN (SELECT oid FROM pg_roles))",
+                OR (a.grantee <> 0 AND a.grantee NOT IN (SELECT oid FROM pg_roles))
+                OR a.grantor <> x.extowner OR a.grantee::regrole::text = 'updater'",
         );
         assert_eq!(
-            naming_no_role, 0,
-            "reassigned to {reassigned_to}: initial privileges of the extension's objects that name a dropped role"
+            naming_another_role, 0,
+            "reassigned to {reassigned_to} (updater dropped: {dropped}): initial privileges of the \
+             extension's objects that name a dropped role or a former owner"
         );
         admin
             .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{}')")
