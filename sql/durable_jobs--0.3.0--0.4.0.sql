@@ -341,10 +341,10 @@ BEGIN
                                   extension_owner::pg_catalog.regrole::pg_catalog.text);
     END LOOP;
     -- The initial privileges of the members (and of the sequences that went with a table) as
-    -- the scripts gave them, with the extension's owner, which now owns every member, for any
-    -- role that granted them: the scripts grant only as the owner, so such a role is a former
-    -- owner, as ALTER OWNER takes it in the ACL (PostgreSQL 15 leaves pg_init_privs as it was,
-    -- and keeps no dropped role out of it: an earlier update's superuser, its objects
+    -- the scripts gave them, with the extension's owner, which now owns every member, for each
+    -- former owner: a role other than it holding the owner's item (granted by itself), or a role
+    -- dropped since, as ALTER OWNER does in the ACL (PostgreSQL 15 leaves pg_init_privs as it
+    -- was, and keeps no dropped role out of it: an earlier update's superuser, its objects
     -- reassigned since, to this owner or another). Not the current ACL, which holds the
     -- operators' grants (the claim's, carried above): pg_dump dumps what differs from these.
     -- One item per grantee and grantor, as in an ACL; PostgreSQL 15's makeaclitem takes one
@@ -357,7 +357,8 @@ BEGIN
         FROM pg_catalog.pg_init_privs p
         WHERE p.privtype = 'e' AND pg_catalog.cardinality(p.initprivs) > 0
           AND EXISTS (SELECT FROM pg_catalog.aclexplode(p.initprivs) a
-                      WHERE a.grantor <> extension_owner
+                      WHERE (a.grantee = a.grantor AND a.grantor <> extension_owner)
+                         OR NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantor)
                          OR (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee)))
           AND EXISTS (SELECT FROM pg_catalog.pg_depend d
                       WHERE d.classid = p.classoid AND d.deptype = 'e'
@@ -374,7 +375,10 @@ BEGIN
         FROM (SELECT CASE WHEN (a.grantee = a.grantor AND a.grantor <> extension_owner)
                                OR (a.grantee <> 0 AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantee))
                           THEN extension_owner ELSE a.grantee END AS grantee,
-                     extension_owner AS grantor,
+                     CASE WHEN a.grantor IN (SELECT o.grantor FROM pg_catalog.aclexplode(i.initprivs) o
+                                             WHERE o.grantee = o.grantor)
+                               OR NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = a.grantor)
+                          THEN extension_owner ELSE a.grantor END AS grantor,
                      pg_catalog.string_agg(pg_catalog.substring(
                          pg_catalog.makeaclitem(0, extension_owner, a.privilege_type, a.is_grantable)::pg_catalog.text,
                          '^=([^/]*)/'), '') AS letters

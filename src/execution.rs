@@ -648,9 +648,11 @@ impl CaughtFailure {
 /// Runs `f` in a subtransaction that is released when `f` returns true and rolled back when it
 /// returns false or raises an error, whose SQLSTATE and message are returned. An error raised
 /// while it is released (by another extension's subtransaction callback) rolls it back too and
-/// is returned the same way, as PL/pgSQL's exception blocks do: it stays this subtransaction's,
-/// not the transaction's. User, memory context and
-/// resource owner are restored on every path, and the statement timeout disarmed.
+/// is returned the same way, as PL/pgSQL's exception blocks do, unless the release had gone past
+/// handing the subtransaction's writes to its parent: then it fails the whole transaction, whose
+/// commit would otherwise keep them. User, memory context and resource owner are restored on
+/// every path, and the statement timeout and lease watchdog, which also bound the release (a
+/// callback may wait on another server), disarmed.
 pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, CaughtFailure> {
     unsafe {
         let memory_context = pg_sys::CurrentMemoryContext;
@@ -670,20 +672,27 @@ pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, Caught
         };
         let mut result =
             PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f()))).catch_others(caught).execute();
-        disarm_statement_timeout();
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
         if matches!(result, Ok(true)) {
             result = PgTryBuilder::new(|| {
                 pg_sys::ReleaseCurrentSubTransaction();
                 Ok(true)
             })
-            .catch_others(caught)
+            .catch_others(|error| {
+                // CommitSubTransaction moved on from "in progress" once it listed the
+                // subtransaction among its parent's children (AtSubCommit_childXids).
+                if !pg_sys::IsTransactionState() {
+                    error.rethrow();
+                }
+                caught(error)
+            })
             .execute();
             pg_sys::MemoryContextSwitchTo(memory_context);
         }
         if !matches!(result, Ok(true)) {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
         }
+        disarm_statement_timeout();
         pg_sys::MemoryContextSwitchTo(memory_context);
         pg_sys::CurrentResourceOwner = resource_owner;
         result
