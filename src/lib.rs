@@ -81,6 +81,7 @@ mod tests {
     include!("../pgrx-tests/cancel_tests.rs");
     include!("../pgrx-tests/schema_tests.rs");
     include!("../pgrx-tests/handler_tests.rs");
+    include!("../pgrx-tests/execution_tests.rs");
     include!("../pgrx-tests/security_tests.rs");
     include!("../pgrx-tests/queue_tests.rs");
     include!("../pgrx-tests/retention_tests.rs");
