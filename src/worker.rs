@@ -91,14 +91,40 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         if found_job || claimed_ahead {
             continue;
         }
-        let timeout =
-            statistics_due.map_or(settings::poll_interval(), |due| due.min(settings::poll_interval()));
-        let wait = || BackgroundWorker::wait_latch(Some(timeout));
-        if !in_transaction_or_logged("wait", wait).unwrap_or(true) {
+        if !in_transaction_or_logged("wait", || sleep_until_poll(statistics_due)).unwrap_or(true) {
             break;
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
+}
+
+/// Sleeps until the latch is set (an enqueue's commit, a reload, a shutdown) or the poll interval
+/// has passed, flushing on the way the statistics left pending when they fall due (a flush is
+/// not a poll: it claims nothing and counts no idle poll). False when the worker is to stop.
+fn sleep_until_poll(mut statistics_due: Option<Duration>) -> bool {
+    let deadline = Instant::now() + settings::poll_interval();
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let timeout = statistics_due.map_or(remaining, |due| due.min(remaining));
+        let events = unsafe {
+            let events = pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH) as i32,
+                timeout.as_millis().try_into().unwrap_or(std::ffi::c_long::MAX),
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+            events
+        };
+        pg_sys::check_for_interrupts!();
+        if events & pg_sys::WL_POSTMASTER_DEATH as i32 != 0 || BackgroundWorker::sigterm_received() {
+            return false;
+        }
+        if events & pg_sys::WL_LATCH_SET as i32 != 0 || Instant::now() >= deadline {
+            return true;
+        }
+        statistics_due = report_statistics();
+    }
 }
 
 /// Shows in pg_stat_activity whether this worker claims jobs, when that changes: how an operator
