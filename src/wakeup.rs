@@ -82,18 +82,21 @@ pub fn set_latch_of(procno_plus_one: i32) {
 /// Sleeps on this process's latch for at most `timeout` (wait event `Extension`), resets it,
 /// then checks for interrupts (a query cancel or a terminate ends the sleep with its error).
 /// A latch set before the sleep ends it at once, so a caller that reads shared state, then
-/// sleeps, misses no change whose setter set the latch after making it visible.
-pub fn sleep_on_latch(timeout: std::time::Duration) {
-    unsafe {
-        pg_sys::WaitLatch(
+/// sleeps, misses no change whose setter set the latch after making it visible. Returns
+/// whether the latch was set (false: the time ran out).
+pub fn sleep_on_latch(timeout: std::time::Duration) -> bool {
+    let events = unsafe {
+        let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
             (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
             timeout.as_millis().max(1) as std::ffi::c_long,
             pg_sys::PG_WAIT_EXTENSION,
         );
         pg_sys::ResetLatch(pg_sys::MyLatch);
-    }
+        events
+    };
     pg_sys::check_for_interrupts!();
+    events & pg_sys::WL_LATCH_SET as i32 != 0
 }
 
 fn wake_workers() {

@@ -101,26 +101,15 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
 /// Sleeps until the latch is set (an enqueue's commit, a reload, a shutdown) or the poll interval
 /// has passed, flushing on the way the statistics left pending when they fall due (a flush is
 /// not a poll: it claims nothing and counts no idle poll). False when the worker is to stop.
-fn sleep_until_poll(mut statistics_due: Option<Duration>) -> bool {
+fn sleep_until_poll(mut statistics_due: Option<Instant>) -> bool {
     let deadline = Instant::now() + settings::poll_interval();
     loop {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let timeout = statistics_due.map_or(remaining, |due| due.min(remaining));
-        let events = unsafe {
-            let events = pg_sys::WaitLatch(
-                pg_sys::MyLatch,
-                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH) as i32,
-                timeout.as_millis().try_into().unwrap_or(std::ffi::c_long::MAX),
-                pg_sys::PG_WAIT_EXTENSION,
-            );
-            pg_sys::ResetLatch(pg_sys::MyLatch);
-            events
-        };
-        pg_sys::check_for_interrupts!();
-        if events & pg_sys::WL_POSTMASTER_DEATH as i32 != 0 || BackgroundWorker::sigterm_received() {
+        let wake_at = statistics_due.map_or(deadline, |due| due.min(deadline));
+        let latch_set = wakeup::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
+        if BackgroundWorker::sigterm_received() {
             return false;
         }
-        if events & pg_sys::WL_LATCH_SET as i32 != 0 || Instant::now() >= deadline {
+        if latch_set || Instant::now() >= deadline {
             return true;
         }
         statistics_due = report_statistics();
@@ -227,11 +216,11 @@ const STATISTICS_PENDING_AT_MOST: Duration = Duration::from_secs(1);
 /// Hands this session's table and WAL counts to the cumulative statistics, which autovacuum
 /// decides from: PostgreSQL reports a background worker's only when it exits. As a backend's
 /// idle loop does (postgres.c): at most once a second and without waiting for a lock; what that
-/// leaves pending is flushed, waiting, once due. Returns how long until then, for the wait.
+/// leaves pending is flushed, waiting, once due. Returns when that is, for the wait.
 /// Between transactions only; an error is logged, not fatal to the worker. (PostgreSQL's
 /// unforced report times itself by the last transaction's end, which stands still between
 /// transactions: without the forced one, a runner waiting for work would never flush.)
-fn report_statistics() -> Option<Duration> {
+fn report_statistics() -> Option<Instant> {
     if unsafe { pg_sys::IsTransactionOrTransactionBlock() } {
         return None;
     }
@@ -246,7 +235,7 @@ fn report_statistics() -> Option<Duration> {
         true => STATISTICS_DUE.get().or(Some(now + STATISTICS_PENDING_AT_MOST)),
     };
     STATISTICS_DUE.set(due);
-    due.map(|due| due.saturating_duration_since(Instant::now()))
+    due
 }
 
 /// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
