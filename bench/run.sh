@@ -75,6 +75,26 @@ SELECT array_agg(id)::text AS ids FROM u \gset
 COMMIT;
 UPDATE raw_job SET state = 'done' WHERE id = ANY (':ids'::bigint[]);
 SQL
+# The raw batch loop's shape over durable_jobs' own job table (its columns, indexes, constraints
+# and trigger), writing what a claim and a completion write, with no handler, no fence and no
+# per-job code: what the table alone lets a batch of 50 reach.
+cat >"$scripts/table_batch.sql" <<'SQL'
+BEGIN;
+WITH c AS (SELECT job_id FROM durable_jobs.durable_job
+           WHERE job_state = 'available' AND run_after <= clock_timestamp()
+           ORDER BY priority DESC, run_after, job_id LIMIT 50 FOR UPDATE SKIP LOCKED),
+     u AS (UPDATE durable_jobs.durable_job j
+           SET job_state = 'running', state_version = j.state_version + 1, lease_owner = 'bench',
+               lease_token = gen_random_uuid(), lease_expires_at = clock_timestamp() + interval '60 s',
+               attempt_count = j.attempt_count + 1, updated_at = clock_timestamp()
+           FROM c WHERE j.job_id = c.job_id RETURNING j.job_id)
+SELECT array_agg(job_id)::text AS ids FROM u \gset
+COMMIT;
+UPDATE durable_jobs.durable_job
+SET job_state = 'succeeded', payload = NULL, finished_at = clock_timestamp(), state_version = state_version + 1,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = clock_timestamp()
+WHERE job_id = ANY (':ids'::bigint[]);
+SQL
 cat >"$scripts/api_one.sql" <<'SQL'
 SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job('bench-' || :client_id) \gset
 SELECT durable_jobs.complete_durable_job(:job_id, 'bench-' || :client_id, ':lease_token');
@@ -185,6 +205,10 @@ for clients in 1 2; do
     ref[raw_batch_$clients]=$(python3 -c "print(f'{$tps * 50:.0f}')")
     row "raw SKIP LOCKED, 50 per transaction, $clients client(s)" "${ref[raw_batch_$clients]}" ""
 done
+reset_jobs $(( JOBS * 5 )) noop
+tps=$(tps_of "$(pgbench_run -f "$scripts/table_batch.sql" -c 1 -j 1 -t $(( JOBS / 10 )))")
+ref[table_batch_1]=$(python3 -c "print(f'{$tps * 50:.0f}')")
+row "same, 50 per transaction over durable_jobs' job table, 1 client" "${ref[table_batch_1]}" ""
 # The queue users would pick instead, in its best configuration (bench/graphile), on this
 # cluster while our worker is off; skipped where node is missing.
 graphile() { bash "$(dirname "$0")/graphile/run.sh" "postgres://postgres@127.0.0.1:$port/postgres" "$@"; }
@@ -272,12 +296,15 @@ row "size after 100,000 vs after 20,000" "" "$(ratio "${size[100000]}" "${size[2
 row "seconds for the 100,000 jobs to pass through" "$(( SECONDS - size_started ))" ""
 
 # Issue #14's table: each target beside the figure and reference of this run.
-target_row() {  # label figure reference target(">=1.5" or "<=3")
+target_row() {  # label figure reference target(">=1.5", "<=3", or "" for none)
     python3 - "$@" <<'PY'
 import sys
 label, figure, reference, target = sys.argv[1:5]
 try:
     ratio = float(figure) / float(reference)
+    if not target:
+        print(f"{label:<58} {figure:>10} {reference:>10} {ratio:>7.2f}x {'-':>9}")
+        sys.exit(0)
     bound = float(target[2:])
     met = ratio >= bound if target.startswith(">=") else ratio <= bound
     print(f"{label:<58} {figure:>10} {reference:>10} {ratio:>7.2f}x {target + 'x':>8}  {'met' if met else 'NOT met'}")
@@ -289,6 +316,9 @@ echo
 printf '%-58s %10s %10s %8s %8s\n' "targets (issue #14)" "figure" "reference" "ratio" "target"
 target_row "worker batch 50 vs graphile-worker" "${fig[batch50_1]}" "${ref[graphile_drain]:-}" ">=1.5"
 target_row "worker batch 50 vs raw 50/txn, 1 client" "${fig[batch50_1]}" "${ref[raw_batch_1]}" ">=0.8"
+# Not targets: where the job table alone puts the batch (see docs/benchmarks.md).
+target_row "  raw 50/txn over durable_jobs' table vs raw 50/txn" "${ref[table_batch_1]}" "${ref[raw_batch_1]}" ""
+target_row "  worker batch 50 vs raw 50/txn over durable_jobs' table" "${fig[batch50_1]}" "${ref[table_batch_1]}" ""
 target_row "worker batch 1 vs raw one-job loop, 1 client" "${fig[batch1_1]}" "${ref[raw_1]}" ">=1.0"
 target_row "SQL API claim + complete, 1 connection vs raw" "${fig[api_1]}" "${ref[raw_1]}" ">=0.8"
 target_row "SQL API claim + complete, 2 connections vs raw" "${fig[api_2]}" "${ref[raw_2]}" ">=0.8"
