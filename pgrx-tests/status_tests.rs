@@ -381,7 +381,7 @@ fn listing_cost(
 fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states() {
     serialize_tests_that_analyze();
     // 200,000 succeeded jobs of two roles in two queues, a few failed ones among them, some
-    // waiting, and three jobs of a third role. ANALYZE reads every row, so that the plans do
+    // waiting, 40 running, and three jobs of a third role (one running). ANALYZE reads every row, so that the plans do
     // not vary from run to run (from a sample, "several states" took a bitmap scan of its tiny
     // ranges now and then; with every row, always). Broken on purpose with the role's condition
     // made unindexable: "first page of a queue: 1160814 index entries for a page of 100".
@@ -397,7 +397,13 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
          INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
          SELECT 'odd', 'k', '{}', 1, 'postgres' FROM generate_series(1, 50);
          INSERT INTO durable_jobs.durable_job (queue_name, job_kind, payload, max_attempts, enqueued_by)
-         SELECT 'odd', 'k', '{}', 1, 'dj_test_few' FROM generate_series(1, 3);
+         SELECT 'odd', 'k', '{}', 1, 'dj_test_few' FROM generate_series(1, 2);
+         INSERT INTO durable_jobs.durable_job
+             (queue_name, job_kind, job_state, payload, max_attempts, attempt_count, enqueued_by,
+              lease_owner, lease_token, lease_expires_at)
+         SELECT 'odd', 'k', 'running', '{}', 2, 1, CASE WHEN g = 1 THEN 'dj_test_few' ELSE 'postgres' END,
+                'w', gen_random_uuid(), now() + interval '1 hour'
+         FROM generate_series(1, 41) g;
          SET LOCAL default_statistics_target = 10000;
          ANALYZE durable_jobs.durable_job",
     )
@@ -412,11 +418,17 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         ("rare state", None, &["failed"][..], i64::MAX, None),
         ("rare state in a queue", Some("odd"), &["failed"][..], i64::MAX, None),
         ("several states", None, &["available", "failed", "cancelled"][..], deep, None),
+        // Running jobs have an index of their own (a claim writes one listing entry).
+        ("running jobs", None, &["running"][..], i64::MAX, None),
+        ("running jobs in a queue", Some("odd"), &["running"][..], i64::MAX, None),
+        ("running and rare states", Some("odd"), &["running", "failed"][..], i64::MAX, None),
         // A role that sees only its own three jobs reads only their entries, whatever the
         // other roles have: its timing says nothing about their jobs.
         ("a role's own jobs", None, &[][..], i64::MAX, few()),
         ("a role's own jobs in a queue", Some("odd"), &["available"][..], i64::MAX, few()),
         ("a role's own rare state", None, &["failed"][..], i64::MAX, few()),
+        ("a role's own running job", None, &["running"][..], i64::MAX, few()),
+        ("a role's own running job in a queue", Some("odd"), &["running"][..], i64::MAX, few()),
     ] {
         let own = roles.is_some();
         let (entries, index_only) = listing_cost(queue, states, below, 100, roles);

@@ -1,7 +1,8 @@
 -- durable_jobs 0.3.0 to 0.4.0: the status API, and a claim that filters by kind. Every job
 -- gets state_version 1, replay_count 0 and no SQLSTATE; from now on every enqueued payload keeps
 -- its fingerprint (replay compares against it). The table's constraints call C functions of the
--- library. Two listing indexes are built over the job table while the update holds its lock.
+-- library. Three listing indexes are built over the job table while the update holds its lock,
+-- and the lease index keeps only last attempts.
 -- Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the result equals a
 -- fresh 0.4.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
@@ -90,10 +91,20 @@ ALTER TABLE durable_jobs.durable_job
     ADD CONSTRAINT durable_job_status_fields_valid CHECK (
         durable_jobs.durable_job_status_fields_valid(state_version, replay_count, last_failure_sqlstate));
 
+-- A claim writes fewer index entries: running jobs leave the lease index for one of their own.
+DROP INDEX durable_jobs.durable_job_lease_expiry_idx;
+CREATE INDEX durable_job_exhausted_lease_idx
+    ON durable_jobs.durable_job (lease_expires_at)
+    WHERE job_state = 'running' AND attempt_count >= max_attempts;
 CREATE INDEX durable_job_state_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id)
+    WHERE job_state <> 'running';
 CREATE INDEX durable_job_queue_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id)
+    WHERE job_state <> 'running';
+CREATE INDEX durable_job_running_listing_idx
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_id)
+    WHERE job_state = 'running';
 
 -- Who cancelled or replayed which job, when, and from what state. Read by the extension owner.
 CREATE TABLE durable_jobs.durable_job_audit (

@@ -81,6 +81,11 @@ DROP TABLE durable_jobs.durable_job_audit;
 
 DROP INDEX durable_jobs.durable_job_state_listing_idx;
 DROP INDEX durable_jobs.durable_job_queue_listing_idx;
+DROP INDEX durable_jobs.durable_job_running_listing_idx;
+DROP INDEX durable_jobs.durable_job_exhausted_lease_idx;
+CREATE INDEX durable_job_lease_expiry_idx
+    ON durable_jobs.durable_job (lease_expires_at)
+    WHERE job_state = 'running';
 
 ALTER TABLE durable_jobs.durable_job
     DROP CONSTRAINT durable_job_status_fields_valid,

@@ -120,19 +120,27 @@ CREATE INDEX durable_job_claim_order_idx
     ON durable_jobs.durable_job (priority DESC, run_after, job_id)
     WHERE job_state IN ('available', 'running');
 
--- Expired leases, for reclaiming and for expiring exhausted jobs.
-CREATE INDEX durable_job_lease_expiry_idx
+-- Leases on a job's last attempt, for expiring them as lease_expired once they lapse (claims
+-- reclaim the other lapsed leases through the claim order). Only a last attempt has an entry.
+CREATE INDEX durable_job_exhausted_lease_idx
     ON durable_jobs.durable_job (lease_expires_at)
-    WHERE job_state = 'running';
+    WHERE job_state = 'running' AND attempt_count >= max_attempts;
 
 -- Keyset pages of list_durable_jobs, newest first: one index range per enqueuing role and
 -- state, with and without a queue, so that a page reads about one page of entries however deep
 -- it is and however rare the state, and a caller reads only entries of roles it may see. The
--- role as text: a name would take 64 bytes in every entry.
+-- role as text: a name would take 64 bytes in every entry. Running jobs have an index of their
+-- own (few rows, a page sorts them), so that a claim writes one listing entry, not two.
 CREATE INDEX durable_job_state_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id)
+    WHERE job_state <> 'running';
 CREATE INDEX durable_job_queue_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id);
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id)
+    WHERE job_state <> 'running';
+-- Also the running jobs of a queue, for its concurrency limit.
+CREATE INDEX durable_job_running_listing_idx
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_id)
+    WHERE job_state = 'running';
 
 -- Finished jobs by age, for the retention pruning of the background workers.
 CREATE INDEX durable_job_finished_idx

@@ -38,8 +38,8 @@ macro_rules! new_state_version {
 
 /// Matches only the running job whose live lease is exactly ($2, $3). Only a running job holds
 /// a lease token (durable_job_lease_only_while_running), so the token is the state check. Naming
-/// job_state would let the planner take the partial lease index, which it does when its
-/// statistics say no job runs, and read every running job's entries to find this one.
+/// job_state would let the planner take the partial index of running jobs, which it does when
+/// its statistics say no job runs, and read every running job's entries to find this one.
 macro_rules! lease_fence {
     () => {
         "job_id = $1 AND lease_token = $3 AND lease_owner = $2 \
