@@ -410,6 +410,11 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
     .unwrap();
     let deep = one::<i64>("SELECT max(job_id) - 100000 FROM durable_jobs.durable_job");
     let few = || Some(vec!["dj_test_few".to_string()]);
+    // Past MERGED_RANGES_LIMIT ranges the listing reads each range by a lateral join.
+    let few_among_many = || {
+        Some(std::iter::once("dj_test_few".to_string()).chain((1..=12).map(|n| format!("dj_test_none_{n}"))).collect())
+    };
+    assert!(13 * crate::status::JOB_STATES.len() > crate::status::MERGED_RANGES_LIMIT);
     for (what, queue, states, below, roles) in [
         ("first page", None, &[][..], i64::MAX, None),
         ("page at depth 100,000", None, &[][..], deep, None),
@@ -429,6 +434,8 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         ("a role's own rare state", None, &["failed"][..], i64::MAX, few()),
         ("a role's own running job", None, &["running"][..], i64::MAX, few()),
         ("a role's own running job in a queue", Some("odd"), &["running"][..], i64::MAX, few()),
+        ("a role's own jobs, by lateral joins", None, &[][..], i64::MAX, few_among_many()),
+        ("a role's own jobs in a queue, by lateral joins", Some("odd"), &[][..], i64::MAX, few_among_many()),
     ] {
         let own = roles.is_some();
         let (entries, index_only) = listing_cost(queue, states, below, 100, roles);
