@@ -362,12 +362,17 @@ fn listing_cost(
             .0
             .to_string()
     });
-    // Live index entries read: rows the index scans returned plus rows their filters removed, and
-    // the entries a bitmap index scan (the planner's pick for a range it knows to be tiny) found
-    // (dead entries left by other tests' rolled-back jobs are vacuum's business, not the plan's).
+    index_entries_read(plan)
+}
+
+/// From a JSON plan of EXPLAIN ANALYZE: the live index entries read (rows the index scans
+/// returned plus rows their filters removed, and the entries a bitmap index scan, the planner's
+/// pick for a range it knows to be tiny, found; dead entries left by other tests' rolled-back
+/// jobs are vacuum's business, not the plan's), and whether no sequential scan ran.
+fn index_entries_read(plan: String) -> (i64, bool) {
     Spi::get_two_with_args::<i64, bool>(
         r#"SELECT (SELECT COALESCE(sum((n ->> 'Actual Rows')::bigint + COALESCE((n ->> 'Rows Removed by Filter')::bigint, 0)), 0)
-                   FROM jsonb_path_query(p, 'strict $.** ? (@."Node Type" == "Index Scan"
+                   FROM jsonb_path_query(p, 'strict $.** ? (@."Node Type" == "Index Scan" || @."Node Type" == "Index Only Scan"
                                                             || @."Node Type" == "Bitmap Index Scan")') AS n)::bigint,
                   NOT jsonb_path_exists(p, '$.** ? (@."Node Type" == "Seq Scan")')
            FROM (SELECT $1::jsonb AS p) plan"#,
@@ -454,6 +459,16 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         } as i64;
         assert!(entries <= 100 * ranges + ranges, "{what}: {entries} index entries for a page of 100");
     }
+    // A page of running jobs reads about a page of each role's running entries, in order (40
+    // running jobs here), with or without a queue.
+    for queue in [None, Some("odd")] {
+        let (entries, index_only) = listing_cost(queue, &["running"], i64::MAX, 10, None);
+        assert!(index_only && entries <= 10 * 3 + 3, "running jobs, queue {queue:?}: {entries} entries for a page of 10");
+    }
+    // The roles that enqueued jobs (a caller that sees all): a few entries per role, never the table.
+    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::status::ENQUEUING_ROLES)).0;
+    let (entries, index_only) = index_entries_read(plan.to_string());
+    assert!(index_only && entries <= 4 * 3 + 4, "enqueuing roles: {entries} index entries for 3 roles");
 }
 
 /// A job that failed for good after one attempt, as an external worker would fail it.

@@ -103,7 +103,7 @@ CREATE INDEX durable_job_queue_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id)
     WHERE job_state <> 'running';
 CREATE INDEX durable_job_running_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_id)
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_id, queue_name)
     WHERE job_state = 'running';
 
 -- Who cancelled or replayed which job, when, and from what state. Read by the extension owner.

@@ -130,16 +130,17 @@ CREATE INDEX durable_job_exhausted_lease_idx
 -- state, with and without a queue, so that a page reads about one page of entries however deep
 -- it is and however rare the state, and a caller reads only entries of roles it may see. The
 -- role as text: a name would take 64 bytes in every entry. Running jobs have an index of their
--- own (few rows, a page sorts them), so that a claim writes one listing entry, not two.
+-- own, so that a claim writes one listing entry, not two; job_id before queue_name keeps each
+-- role's running jobs in page order, with or without a queue (checked inside the index).
 CREATE INDEX durable_job_state_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_state, job_id)
     WHERE job_state <> 'running';
 CREATE INDEX durable_job_queue_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id)
     WHERE job_state <> 'running';
--- Also the running jobs of a queue, for its concurrency limit.
+-- Also read whole (every running job, as the lease index was) for queue concurrency limits.
 CREATE INDEX durable_job_running_listing_idx
-    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_id)
+    ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_id, queue_name)
     WHERE job_state = 'running';
 
 -- Finished jobs by age, for the retention pruning of the background workers.

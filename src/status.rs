@@ -338,13 +338,23 @@ impl ListFilters {
 /// Up to this many index ranges (roles x states) are merged in one statement.
 pub const MERGED_RANGES_LIMIT: usize = 60;
 
-/// The enqueuing roles of the job table, by a skip scan of the listing index: one descent per role.
-const ENQUEUING_ROLES: &str = "
+/// The enqueuing roles of the job table, by skip scans of the two listing indexes (running jobs
+/// and the others; each partial, so each scan names its states): two descents per role.
+pub const ENQUEUING_ROLES: &str = "
     WITH RECURSIVE roles(role) AS (
-        SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+        SELECT pg_catalog.min(next.role) FROM (
+            SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+            WHERE j.job_state <> 'running'
+            UNION ALL
+            SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+            WHERE j.job_state = 'running') AS next(role)
         UNION ALL
-        SELECT (SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
-                WHERE (j.enqueued_by)::pg_catalog.text > roles.role)
+        SELECT (SELECT pg_catalog.min(next.role) FROM (
+                    SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+                    WHERE j.job_state <> 'running' AND (j.enqueued_by)::pg_catalog.text > roles.role
+                    UNION ALL
+                    SELECT pg_catalog.min((j.enqueued_by)::pg_catalog.text) FROM durable_jobs.durable_job j
+                    WHERE j.job_state = 'running' AND (j.enqueued_by)::pg_catalog.text > roles.role) AS next(role))
         FROM roles WHERE roles.role IS NOT NULL)
     SELECT COALESCE(pg_catalog.array_agg(role), '{}') FROM roles WHERE role IS NOT NULL";
 
