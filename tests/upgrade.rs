@@ -13,7 +13,7 @@ use std::time::Duration;
 
 const OLDEST_SUPPORTED_VERSION: &str = "0.1.0";
 /// Every released version, oldest first; each must update to the current one and back.
-const RELEASED_VERSIONS: [&str; 3] = ["0.1.0", "0.2.0", "0.3.0"];
+const RELEASED_VERSIONS: [&str; 4] = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"];
 
 /// One line per catalog fact of the extension: its member objects, and for those in schema
 /// durable_jobs their definitions, owners and grants. Names only, never OIDs, so that two
