@@ -256,6 +256,38 @@ fn metrics_have_a_fixed_set_of_names() {
 }
 
 #[pg_test]
+fn metrics_count_every_state_in_one_pass_over_the_job_table() {
+    Spi::run(
+        "INSERT INTO durable_jobs.durable_job (queue_name, job_kind, job_state, payload, max_attempts, attempt_count,
+                                               enqueued_by, finished_at, last_failure_code)
+         SELECT 'q', 'k', s, NULL, 1, 1, current_user, now(), CASE WHEN s = 'failed' THEN 'target_rejected' END
+         FROM unnest(ARRAY['succeeded', 'succeeded', 'failed', 'cancelled', 'cancelled', 'cancelled']) AS s",
+    )
+    .unwrap();
+    enqueue("k", "{}");
+    let value = |name: &str| -> i64 {
+        Spi::get_one_with_args("SELECT metric_value FROM durable_jobs.durable_job_metrics() WHERE metric_name = $1", &[
+            name.into(),
+        ])
+        .unwrap()
+        .unwrap()
+    };
+    let counts: Vec<i64> =
+        ["jobs_available", "jobs_running", "jobs_succeeded", "jobs_failed", "jobs_cancelled"].map(value).into();
+    assert_eq!(counts, [1, 0, 2, 1, 3]);
+    // A scrape reads the table once, not once per state (five reads of a big table before).
+    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::metrics::JOBS_PER_STATE)).0;
+    let reads: i64 = Spi::get_one_with_args(
+        r#"SELECT sum((n ->> 'Actual Loops')::bigint)::bigint
+           FROM jsonb_path_query($1::jsonb, 'strict $.** ? (@."Relation Name" == "durable_job")') AS n"#,
+        &[plan.to_string().into()],
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(reads, 1, "{plan}");
+}
+
+#[pg_test]
 fn prometheus_exposition_has_fixed_names_and_types() {
     enqueue("k", r#"{"secret": "not in metrics"}"#);
     let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
