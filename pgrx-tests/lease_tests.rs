@@ -510,14 +510,15 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
     }
 }
 
-/// Fails unless the JSON plan reads the job table by its primary key and by nothing else.
+/// Fails unless the JSON plan reads the job table by its primary key, looking up the batch's job
+/// ids, and by nothing else: a primary key scan with no index condition reads the whole table.
 fn assert_finds_jobs_by_primary_key_only(name: &str, plan: &str) {
     let other_scans = Spi::get_one_with_args::<String>(
-        r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
-           FROM jsonb_path_query($1::jsonb, '$.** ? ((@."Relation Name" == "durable_job"
-                                                      && @."Node Type" == "Seq Scan")
-                                                     || @."Index Name" like_regex "^durable_job_[a-z_]+_idx$")') AS n
-           WHERE n ->> 'Index Name' IS DISTINCT FROM 'durable_job_pkey'"#,
+        r#"SELECT string_agg(concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name', n ->> 'Index Cond'), ', ')
+           FROM jsonb_path_query($1::jsonb, '$.** ? ((@."Relation Name" == "durable_job" && @."Node Type" == "Seq Scan")
+                                                     || @."Index Name" like_regex "^durable_job_([a-z_]+_idx|pkey)$")') AS n
+           WHERE n ->> 'Index Name' IS DISTINCT FROM 'durable_job_pkey'
+              OR COALESCE(n ->> 'Index Cond', '') NOT LIKE '%job_id = %'"#,
         &[plan.into()],
     )
     .unwrap();
@@ -545,6 +546,26 @@ fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key_on_a_new_t
     assert_generic_batch_plans_find_jobs_by_primary_key();
 }
 
+/// The same on a small analyzed table (twenty finished jobs, one page), as a worker meets it soon
+/// after the table was created or truncated: reading the page whole looks cheaper than a lookup
+/// per job, and the worker keeps that plan until the next ANALYZE, however much the table grows
+/// by then. Failed before: in a latency run the load of a one-job batch read 30 buffers (the
+/// whole table of a thousand jobs), 0.11 ms of a 1.2 ms path from enqueue to handler.
+#[pg_test]
+fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key_on_a_small_table() {
+    serialize_tests_that_analyze();
+    Spi::run("TRUNCATE durable_jobs.durable_job").unwrap();
+    Spi::run(
+        "INSERT INTO durable_jobs.durable_job (queue_name, job_kind, job_state, payload, max_attempts, attempt_count,
+                                               enqueued_by, finished_at)
+         SELECT 'q', 'k', 'succeeded', NULL, 1, 1, current_user, now() FROM generate_series(1, 20);
+         ANALYZE durable_jobs.durable_job",
+    )
+    .unwrap();
+    enqueue("k", "{}");
+    assert_generic_batch_plans_find_jobs_by_primary_key();
+}
+
 /// Claims a job and explains the generic plan of each statement over a batch's leases under
 /// the planner settings the worker runs them with (plans::BATCH_PLANNER_SETTINGS).
 fn assert_generic_batch_plans_find_jobs_by_primary_key() {
@@ -567,14 +588,11 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
             &format!("'{{{job_id}}}', '{{{token}}}', 'w'{more_args}"),
             "",
         );
-        // A generic plan: the leases' count unknown, their scan estimated at ten rows.
-        let estimated_ten = Spi::get_one_with_args::<bool>(
-            r#"SELECT bool_and((n ->> 'Plan Rows')::integer = 10)
-               FROM jsonb_path_query($1::jsonb, '$.** ? (@."Node Type" == "Function Scan")') AS n"#,
-            &[plan.clone().into()],
-        )
-        .unwrap();
-        assert_eq!(estimated_ten, Some(true), "{name}: a generic plan: {plan}");
+        // A generic plan: the batch's job ids stay a parameter (a custom plan shows them).
+        assert!(plan.contains("job_id = ANY ($1)"), "{name}: a generic plan: {plan}");
+        // Jobs and tokens paired in a hash, not each job against each token: at
+        // claim_batch_size 1000 a nested loop cost the worker 12 % of its throughput.
+        assert!(!plan.contains("Nested Loop"), "{name}: a nested loop: {plan}");
         assert_finds_jobs_by_primary_key_only(name, &plan);
     }
 }
@@ -637,17 +655,15 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     .unwrap()
     .0
     .to_string();
-    let scans = Spi::get_one_with_args::<String>(
+    assert_finds_jobs_by_primary_key_only("load", &plan);
+    let other_scans = Spi::get_one_with_args::<String>(
         r#"SELECT string_agg(DISTINCT concat_ws(' ', n ->> 'Node Type', n ->> 'Index Name'), ', ')
-           FROM jsonb_path_query($1::jsonb, '$.** ? (exists (@."Relation Name"))') AS n"#,
+           FROM jsonb_path_query($1::jsonb, '$.** ? (exists (@."Relation Name"))') AS n
+           WHERE n ->> 'Relation Name' <> 'durable_job'"#,
         &[plan.clone().into()],
     )
     .unwrap();
-    assert_eq!(
-        scans.as_deref(),
-        Some("Index Scan durable_job_handler_pkey, Index Scan durable_job_pkey"),
-        "{plan}"
-    );
+    assert_eq!(other_scans.as_deref(), Some("Index Scan durable_job_handler_pkey"), "{plan}");
     crate::handlers::HANDLER_CHECKS.with(|checks| checks.set(0));
     let loaded = crate::execution::load_jobs(&leases, "w");
     assert_eq!(crate::handlers::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");

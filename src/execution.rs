@@ -41,7 +41,7 @@ pub(crate) const LOAD_JOBS: &str = "
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
     -- The token is the state check (see lease_fence in lease.rs).
-    WHERE j.lease_owner = $3";
+    WHERE j.job_id = ANY ($1) AND j.lease_owner = $3";
 
 /// The search_path handlers run with, whatever the session's: `pg_temp` last, so that no
 /// temporary object can capture a handler's unqualified names.

@@ -266,7 +266,7 @@ macro_rules! live_leases_locked {
                 SELECT x.job_id FROM durable_jobs.durable_job x
                 JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
                      AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-                WHERE x.lease_owner = $3
+                WHERE x.job_id = ANY ($1) AND x.lease_owner = $3
                   AND x.lease_expires_at > pg_catalog.clock_timestamp()
                 FOR NO KEY UPDATE OF x",
             $lock,
@@ -287,7 +287,7 @@ macro_rules! renew_statement {
             UPDATE durable_jobs.durable_job j
             SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
                 updated_at = pg_catalog.clock_timestamp()
-            FROM live WHERE j.job_id = live.job_id
+            FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
             RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8"
         )
     };
@@ -308,7 +308,7 @@ macro_rules! complete_batch_statement {
             new_state_version!(),
             release_lease!(),
             "
-            FROM live WHERE j.job_id = live.job_id
+            FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
             RETURNING j.job_id, j.state_version"
         )
     };
@@ -323,7 +323,7 @@ pub(crate) const HELD_LEASES: &str = "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          WITH ORDINALITY AS c(job_id, lease_token, position)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    WHERE j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    WHERE j.job_id = ANY ($1) AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
     ORDER BY c.position";
 
 // Gives claimed jobs that never started back, with their attempt: available again in a second.
@@ -339,7 +339,7 @@ pub(crate) const RELEASE_UNSTARTED: &str = concat!(
     "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token
+    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_id = ANY ($1)
       AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()"
 );
 

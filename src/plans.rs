@@ -75,12 +75,15 @@ pub fn execute_generic<'conn>(
 /// The planner settings of a statement over a batch's jobs. A generic plan: for a batch of one
 /// its custom plan always looks cheaper than the generic one (the same plan, for an estimate of
 /// ten jobs), so PostgreSQL planned it anew on every call (47 % of the worker's time at
-/// claim_batch_size 1, once the table is large and analyzed). No sequential scan: planned while
-/// the job table looked small (no statistics yet, after an install or a TRUNCATE), the kept
-/// plan read the whole table for every batch, and went on doing so as the table grew, until
-/// autovacuum analyzed it.
+/// claim_batch_size 1, once the table is large and analyzed). Each statement finds its jobs with
+/// `job_id = ANY ($1)` and pairs them with their tokens in a hash join: planned while the job
+/// table looked small (a new or truncated table, or one analyzed while it held a few jobs), a
+/// kept plan otherwise read the whole table for every batch (first by a sequential scan, then
+/// by the primary key with no condition) and went on doing so as the table grew, until the next
+/// ANALYZE; and a nested loop over both arrays costs the square of the batch (12 % of the
+/// worker's throughput at claim_batch_size 1000).
 pub const BATCH_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] =
-    &[(c"plan_cache_mode", c"force_generic_plan"), (c"enable_seqscan", c"off")];
+    &[(c"plan_cache_mode", c"force_generic_plan"), (c"enable_seqscan", c"off"), (c"enable_nestloop", c"off")];
 
 /// `execute` for a claim, planned with no sort and no bitmap scan, so that its only plan reads
 /// the claim-order index in order and stops at the limit. The planner cannot know how many
