@@ -81,9 +81,15 @@ pub fn execute_generic<'conn>(
 /// kept plan otherwise read the whole table for every batch (first by a sequential scan, then
 /// by the primary key with no condition) and went on doing so as the table grew, until the next
 /// ANALYZE; and a nested loop over both arrays costs the square of the batch (12 % of the
-/// worker's throughput at claim_batch_size 1000).
-pub const BATCH_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] =
-    &[(c"plan_cache_mode", c"force_generic_plan"), (c"enable_seqscan", c"off"), (c"enable_nestloop", c"off")];
+/// worker's throughput at claim_batch_size 1000). The load reads the few handler registrations
+/// whole into its hash. No JIT: a path left disabled would cost past `jit_above_cost`, as the
+/// claim's did (see `CLAIM_PLANNER_SETTINGS`).
+pub const BATCH_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] = &[
+    (c"plan_cache_mode", c"force_generic_plan"),
+    (c"enable_seqscan", c"off"),
+    (c"enable_nestloop", c"off"),
+    (c"jit", c"off"),
+];
 
 /// `execute` for a claim, planned with no sort and no bitmap scan, so that its only plan reads
 /// the claim-order index in order and stops at the limit. The planner cannot know how many
