@@ -1,6 +1,7 @@
 //! Latches: waking idle workers when work arrives, so enqueue-to-start latency does not wait for
-//! `durable_jobs.poll_interval`. Each worker publishes its pid in a shared slot; a transaction
-//! that enqueued sets their latches once, when it commits (a rolled-back enqueue wakes no one).
+//! `durable_jobs.poll_interval`. Each worker publishes its pid in a shared slot (empty while it is
+//! switched off); a transaction that enqueued sets their latches once, when it commits (a
+//! rolled-back enqueue wakes no one).
 //! Also the latch helpers the waiters and the role runners share.
 
 use crate::settings::WORKER_COUNT_LIMIT;
@@ -40,6 +41,15 @@ pub fn publish_worker(number: i32) {
         SLOTS.get().0[index.value()].store(0, Ordering::Relaxed);
     }
     unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
+}
+
+/// Whether enqueues wake worker `number` (1-based): not while it is switched off, when a wake-up
+/// would only cost the enqueuer a signal (a reload that switches it on sets its latch anyway).
+/// Set before the worker's next claim, so that a job committed after that claim's snapshot
+/// finds the worker wakeable.
+pub fn set_worker_wakeable(number: i32, wakeable: bool) {
+    let pid = if wakeable { unsafe { pg_sys::MyProcPid } } else { 0 };
+    SLOTS.get().0[(number - 1) as usize].store(pid, Ordering::Relaxed);
 }
 
 /// Asks for the workers to be woken when the current transaction commits.

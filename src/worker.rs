@@ -76,6 +76,9 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             if !enabled {
                 give_back_claimed_ahead(&worker_id);
             }
+            if reported_enabled != Some(enabled) {
+                wakeup::set_worker_wakeable(number, enabled);
+            }
             report_whether_enabled(enabled, &mut reported_enabled);
             enabled && poll_once(number, &worker_id, !prune_due)
         })

@@ -81,6 +81,46 @@ fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     assert_eq!(jobs_in_state(&mut client, "available"), 3);
 }
 
+/// The voluntary context switches of process `pid` so far: one at least per wake-up from a sleep.
+fn context_switches(pid: i32) -> i64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|line| line.starts_with("voluntary_ctxt_switches:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A switched-off worker is not woken by every enqueue's commit (a signal to the worker, a
+/// twelfth of an enqueue's time, for nothing); switched on, an enqueue wakes it again at once,
+/// long before its poll interval. Failed before: 200 enqueues woke the switched-off worker at
+/// least 200 times.
+#[test]
+fn a_switched_off_worker_is_not_woken_by_enqueues() {
+    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    wait_for_worker_activity(&mut client, SWITCHED_OFF);
+    let pid = cluster.worker_pids(&mut client)[0];
+    let before = context_switches(pid);
+    for _ in 0..200 {
+        client.execute("SELECT durable_jobs.enqueue_durable_job('nothing', '{}')", &[]).unwrap();
+    }
+    let wakeups = context_switches(pid) - before;
+    assert!(wakeups < 20, "a switched-off worker woke {wakeups} times for 200 enqueues");
+
+    client.batch_execute("DELETE FROM durable_jobs.durable_job").unwrap();
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_for_worker_activity(&mut client, CLAIMING);
+    // Asleep for its 60 s poll interval now: only the enqueue's wake-up runs the job in time.
+    wait_until(Duration::from_secs(10), "the worker to sleep", || {
+        count(
+            &mut client,
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'Extension'",
+        ) == 1
+    });
+    enqueue_many(&mut client, "record", 1);
+    wait_until(Duration::from_secs(20), "the job to run", || jobs_in_state(&mut client, "succeeded") == 1);
+}
+
 #[test]
 fn a_thousand_jobs_each_take_effect_exactly_once() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n"));
