@@ -122,7 +122,6 @@ fn wait_for_durable_job(
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
     let row = loop {
-        unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
         let Some((row, state, version)) = without_keeping_locks(|| read_job_with_version(job_id)) else {
             break None;
         };
@@ -139,16 +138,8 @@ fn wait_for_durable_job(
         let recheck = if woken { WOKEN_RECHECK } else { FALLBACK_RECHECK };
         let sleep = (deadline - now).min(recheck);
         wait_horizon::release_for_sleep(statement_snapshot);
-        unsafe {
-            pg_sys::WaitLatch(
-                pg_sys::MyLatch,
-                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-                sleep.as_millis().max(1) as std::ffi::c_long,
-                pg_sys::PG_WAIT_EXTENSION,
-            );
-        }
         // A query cancel or a terminate ends the wait here (57014, 57P01).
-        pgrx::check_for_interrupts!();
+        crate::wakeup::sleep_on_latch(sleep);
     };
     drop(slot);
     SetOfIterator::new(row)
