@@ -6,7 +6,10 @@
 # latency, the p50 and p99 from the enqueue's transaction start to the handler's first
 # statement, and the p50 of each step, from a second run whose handler reads its own job:
 #   enqueue -> claim: the enqueue's statement and commit, the worker's wake-up, its poll up to
-#                     the claim's write of the row (the row's updated_at, a clock reading);
+#                     the claim's write of the row (the row's updated_at, a clock reading), in two:
+#     enqueue:          the enqueue's transaction, from its start to its commit record
+#                       (track_commit_timestamp of the enqueuing transaction);
+#     commit -> claim:  the enqueue's flush, the worker's wake-up and its poll up to the write;
 #   claim:            the rest of the claim transaction, to its commit record
 #                     (track_commit_timestamp);
 #   claim -> handler: the claim's commit (its flush), the run transaction up to the handler.
@@ -26,9 +29,12 @@ pgbench_run() { as_postgres "$bindir/pgbench" -h 127.0.0.1 -p "$port" -n "$@" po
 stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
 trap stop_cluster EXIT
 
-# Enqueues 500 jobs of `kind` one at a time and waits until all have run.
+# Enqueues 500 jobs of `kind` one at a time and waits until all have run; with `keep_xid`, each
+# enqueue also keeps its job id and transaction id (for its commit timestamp) in public.enqueued.
 enqueue_one_at_a_time() {
-    printf "SELECT durable_jobs.enqueue_durable_job('%s', '{}');\n\\\\sleep 5 ms\n" "$1" >"$work/enqueue.sql"
+    local enqueue="SELECT durable_jobs.enqueue_durable_job('$1', '{}')"
+    [ "${2:-}" != keep_xid ] || enqueue="INSERT INTO public.enqueued $enqueue, txid_current()"
+    printf "%s;\n\\\\sleep 5 ms\n" "$enqueue" >"$work/enqueue.sql"
     [ "$(id -u)" -ne 0 ] || chown postgres: "$work/enqueue.sql"
     pgbench_run -f "$work/enqueue.sql" -c 1 -t 500 >/dev/null
     until [ "$(psql_q -c "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state <> 'succeeded'")" = 0 ]; do
@@ -56,14 +62,15 @@ CONF
     as_postgres "$bindir/pg_ctl" -D "$work/data" -l "$work/server.log" -w start >/dev/null
     psql_q <<'SQL' >/dev/null
 CREATE EXTENSION durable_jobs;
-CREATE TABLE public.started (job_started timestamptz NOT NULL DEFAULT clock_timestamp(),
+CREATE TABLE public.started (job_started timestamptz NOT NULL DEFAULT clock_timestamp(), job_id bigint,
                              created timestamptz, claim_started timestamptz, claim_committed timestamptz);
+CREATE TABLE public.enqueued (job_id bigint, enqueue_xid bigint);
 CREATE FUNCTION public.note_start(payload jsonb) RETURNS void LANGUAGE sql
     AS 'INSERT INTO public.started DEFAULT VALUES';
 -- Reads its own job (the only one running): when it was enqueued, claimed and the claim committed.
 CREATE FUNCTION public.note_steps(payload jsonb) RETURNS void LANGUAGE sql
-    AS $$INSERT INTO public.started (created, claim_started, claim_committed)
-         SELECT created_at, updated_at, pg_catalog.pg_xact_commit_timestamp(xmin)
+    AS $$INSERT INTO public.started (job_id, created, claim_started, claim_committed)
+         SELECT job_id, created_at, updated_at, pg_catalog.pg_xact_commit_timestamp(xmin)
          FROM durable_jobs.durable_job WHERE job_state = 'running'$$;
 SELECT durable_jobs.register_durable_job_handler('latency', 'public.note_start(jsonb)');
 SELECT durable_jobs.register_durable_job_handler('steps', 'public.note_steps(jsonb)');
@@ -80,16 +87,23 @@ SQL
              l AS (SELECT extract(epoch FROM s.job_started - j.created_at) * 1000 ms FROM j JOIN s USING (n))
         SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 3),
                round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 3) FROM l")
-    psql_q -c "TRUNCATE durable_jobs.durable_job, public.started" >/dev/null
-    enqueue_one_at_a_time steps
-    read -r to_claim claim to_handler < <(psql_q -F ' ' -c "
-        WITH l AS (SELECT extract(epoch FROM claim_started - created) * 1000 to_claim,
+    psql_q -c "TRUNCATE durable_jobs.durable_job, public.started, public.enqueued" >/dev/null
+    enqueue_one_at_a_time steps keep_xid
+    read -r to_claim enqueue to_write claim to_handler < <(psql_q -F ' ' -c "
+        WITH t AS (SELECT s.*, pg_catalog.pg_xact_commit_timestamp(e.enqueue_xid::text::xid) AS enqueue_committed
+                   FROM public.started s JOIN public.enqueued e USING (job_id)),
+             l AS (SELECT extract(epoch FROM claim_started - created) * 1000 to_claim,
+                          extract(epoch FROM enqueue_committed - created) * 1000 enqueue,
+                          extract(epoch FROM claim_started - enqueue_committed) * 1000 to_write,
                           extract(epoch FROM claim_committed - claim_started) * 1000 claim,
                           extract(epoch FROM job_started - claim_committed) * 1000 to_handler
-                   FROM public.started)
+                   FROM t)
         SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_claim)::numeric, 3),
+               round(percentile_cont(0.5) WITHIN GROUP (ORDER BY enqueue)::numeric, 3),
+               round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_write)::numeric, 3),
                round(percentile_cont(0.5) WITHIN GROUP (ORDER BY claim)::numeric, 3),
                round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_handler)::numeric, 3) FROM l")
     echo "synchronous_commit = $synchronous_commit: pgbench UPDATE ${update_ms} ms; enqueue-to-start p50 $p50 ms, p99 $p99 ms;" \
-         "steps (p50): enqueue -> claim $to_claim, claim $claim, claim -> handler $to_handler ms"
+         "steps (p50): enqueue -> claim $to_claim (enqueue $enqueue, commit -> claim $to_write), claim $claim," \
+         "claim -> handler $to_handler ms"
 done
