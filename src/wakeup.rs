@@ -45,8 +45,8 @@ pub fn publish_worker(number: i32) {
 
 /// Whether enqueues wake worker `number` (1-based): not while it is switched off, when a wake-up
 /// would only cost the enqueuer a signal (a reload that switches it on sets its latch anyway).
-/// Set before the worker's next claim, so that a job committed after that claim's snapshot
-/// finds the worker wakeable.
+/// Set before the worker's next claim: a job committed before the slot is filled is seen by
+/// that claim, one committed after wakes the worker.
 pub fn set_worker_wakeable(number: i32, wakeable: bool) {
     let pid = if wakeable { unsafe { pg_sys::MyProcPid } } else { 0 };
     SLOTS.get().0[(number - 1) as usize].store(pid, Ordering::Relaxed);
