@@ -15,16 +15,27 @@ use pgrx::spi::SpiClient;
 // Keys are unique per queue and enqueuing role, so one role learns nothing of another's jobs.
 // No conflict target: the same statement works against the 0.2.0 index (per queue), which a
 // database keeps until ALTER EXTENSION durable_jobs UPDATE.
-const INSERT_JOB: &str = "
-    INSERT INTO durable_jobs.durable_job
-        (queue_name, job_kind, payload, idempotency_key, payload_sha256,
-         priority, run_after, max_attempts, enqueued_by)
-    VALUES ($1, $2, $3, $4,
-            CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
-                 ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
-            $5, $6, $7, $8::pg_catalog.name)
-    ON CONFLICT DO NOTHING
-    RETURNING job_id";
+macro_rules! insert_job {
+    ($on_conflict:literal) => {
+        concat!(
+            "
+            INSERT INTO durable_jobs.durable_job
+                (queue_name, job_kind, payload, idempotency_key, payload_sha256,
+                 priority, run_after, max_attempts, enqueued_by)
+            VALUES ($1, $2, $3, $4,
+                    CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
+                         ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
+                    $5, $6, $7, $8::pg_catalog.name)",
+            $on_conflict,
+            "
+            RETURNING job_id"
+        )
+    };
+}
+const INSERT_JOB: &str = insert_job!(" ON CONFLICT DO NOTHING");
+// Without a key a job conflicts with none (its id is drawn from the identity): a plain insert,
+// without ON CONFLICT's speculative insertion and the WAL record that confirms it.
+const INSERT_JOB_WITHOUT_KEY: &str = insert_job!("");
 
 // The caller's own job first; another role's only under the 0.2.0 index.
 const FIND_BY_KEY: &str = "
@@ -123,7 +134,8 @@ impl JobTemplate {
         if let Some((Some(_), _)) = existing {
             key_used_by_another_job();
         }
-        let inserted = plans::execute(client, INSERT_JOB, &args);
+        let statement = if idempotency_key.is_some() { INSERT_JOB } else { INSERT_JOB_WITHOUT_KEY };
+        let inserted = plans::execute(client, statement, &args);
         if !inserted.is_empty() {
             return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
         }
