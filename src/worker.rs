@@ -68,6 +68,8 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
         let found_job = in_transaction_or_logged("poll", || {
             pg_sys::check_for_interrupts!();
+            // Cleared before the check: a SIGHUP from here on sets it again (see sleep_until_poll).
+            unsafe { (&raw mut pg_sys::ConfigReloadPending).write_volatile(0) };
             if BackgroundWorker::sighup_received() {
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             }
@@ -107,6 +109,12 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
 fn sleep_until_poll(mut statistics_due: Option<Instant>) -> bool {
     let deadline = Instant::now() + settings::poll_interval();
     loop {
+        // A reload whose latch a lock wait used up (lock waits reset the latch) is still due: a
+        // worker switched off, which no enqueue wakes, would otherwise miss being switched on
+        // until its poll interval ends.
+        if unsafe { (&raw const pg_sys::ConfigReloadPending).read_volatile() } != 0 {
+            return true;
+        }
         let wake_at = statistics_due.map_or(deadline, |due| due.min(deadline));
         let latch_set = wakeup::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
         if BackgroundWorker::sigterm_received() {

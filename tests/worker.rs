@@ -121,6 +121,36 @@ fn a_switched_off_worker_is_not_woken_by_enqueues() {
     wait_until(Duration::from_secs(20), "the job to run", || jobs_in_state(&mut client, "succeeded") == 1);
 }
 
+/// A reload that switches the worker on while the worker waits for a lock (its pruning, here
+/// behind a LOCK TABLE) still reaches it at once: the lock wait uses up the latch the reload set,
+/// and a switched-off worker has no enqueue to wake it. Failed before the fix: the job waited for
+/// the 60 s poll interval.
+#[test]
+fn a_reload_that_lands_during_a_lock_wait_switches_the_worker_on_at_once() {
+    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    wait_for_worker_activity(&mut client, SWITCHED_OFF);
+    let mut holder = cluster.connect();
+    holder.batch_execute("BEGIN; LOCK TABLE durable_jobs.durable_job").unwrap();
+    // Pruning is due a second after the worker started; a reload wakes it into that pruning,
+    // which waits for the table.
+    std::thread::sleep(Duration::from_millis(1100));
+    let worker_waits_for_lock = "SELECT count(*) FROM pg_stat_activity
+                                 WHERE backend_type = 'durable_jobs worker' AND wait_event_type = 'Lock'";
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(Duration::from_secs(10), "the worker to wait for the lock", || {
+        count(&mut client, worker_waits_for_lock) == 1
+    });
+    client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // The worker's lock_timeout ends the wait.
+    wait_until(Duration::from_secs(10), "the lock wait to end", || count(&mut client, worker_waits_for_lock) == 0);
+    holder.batch_execute("COMMIT").unwrap();
+    enqueue_many(&mut client, "record", 1);
+    wait_until(Duration::from_secs(20), "the job to run", || jobs_in_state(&mut client, "succeeded") == 1);
+}
+
 #[test]
 fn a_thousand_jobs_each_take_effect_exactly_once() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.worker_count = 2\n"));
