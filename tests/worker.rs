@@ -88,16 +88,22 @@ fn context_switches(pid: i32) -> i64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
-/// A switched-off worker is not woken by every enqueue's commit (a signal to the worker, a
-/// twelfth of an enqueue's time, for nothing); switched on, an enqueue wakes it again at once,
-/// long before its poll interval. Failed before: 200 enqueues woke the switched-off worker at
-/// least 200 times.
-#[test]
-fn a_switched_off_worker_is_not_woken_by_enqueues() {
+/// A cluster whose one worker is switched off and polls once a minute: what runs a job sooner
+/// is a wake-up.
+fn switched_off_worker_with_a_long_poll() -> (Cluster, Client) {
     let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
     let mut client = cluster.connect();
     client.batch_execute(EFFECTS).unwrap();
     wait_for_worker_activity(&mut client, SWITCHED_OFF);
+    (cluster, client)
+}
+
+/// A switched-off worker is not woken by every enqueue's commit (a signal and a wake-up for
+/// nothing); switched on, an enqueue wakes it again at once, long before its poll interval.
+/// Failed before: 200 enqueues woke the switched-off worker 200 times.
+#[test]
+fn a_switched_off_worker_is_not_woken_by_enqueues() {
+    let (cluster, mut client) = switched_off_worker_with_a_long_poll();
     let pid = cluster.worker_pids(&mut client)[0];
     let before = context_switches(pid);
     for _ in 0..200 {
@@ -127,10 +133,7 @@ fn a_switched_off_worker_is_not_woken_by_enqueues() {
 /// the 60 s poll interval.
 #[test]
 fn a_reload_that_lands_during_a_lock_wait_switches_the_worker_on_at_once() {
-    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
-    let mut client = cluster.connect();
-    client.batch_execute(EFFECTS).unwrap();
-    wait_for_worker_activity(&mut client, SWITCHED_OFF);
+    let (cluster, mut client) = switched_off_worker_with_a_long_poll();
     let mut holder = cluster.connect();
     holder.batch_execute("BEGIN; LOCK TABLE durable_jobs.durable_job").unwrap();
     // Pruning is due a second after the worker started; a reload wakes it into that pruning,
