@@ -35,12 +35,11 @@ pub fn init_shared_memory() {
 
 /// Called by worker `number` (1-based) once it runs; the slot is cleared when it exits.
 pub fn publish_worker(number: i32) {
-    let index = (number - 1) as usize;
-    SLOTS.get().0[index].store(unsafe { pg_sys::MyProcPid }, Ordering::Relaxed);
-    unsafe extern "C-unwind" fn clear_slot(_code: std::ffi::c_int, index: pg_sys::Datum) {
-        SLOTS.get().0[index.value()].store(0, Ordering::Relaxed);
+    set_worker_wakeable(number, true);
+    unsafe extern "C-unwind" fn clear_slot(_code: std::ffi::c_int, number: pg_sys::Datum) {
+        set_worker_wakeable(number.value() as i32, false);
     }
-    unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
+    unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(number)) };
 }
 
 /// Whether enqueues wake worker `number` (1-based): not while it is switched off, when a wake-up
