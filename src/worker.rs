@@ -356,6 +356,45 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
     claimed
 }
 
+/// A poll's claim, in a transaction of its own that commits without waiting for its WAL to
+/// reach the disk, a flush less between an enqueue and its handler: the claim's WAL is written
+/// to the operating system before any of its handlers starts, so a crash of PostgreSQL (a
+/// handler that takes its backend down included) keeps the attempt counted. Only an operating
+/// system crash before the WAL writer flushes it (within three `wal_writer_delay`s) can undo
+/// the claim: the job is then available again, the attempt uncounted, and nothing of the
+/// interrupted run committed, since the run's durable commit flushes the claim's WAL first.
+fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
+    let claimed = BackgroundWorker::transaction(|| {
+        // SET LOCAL: the transaction's own commit decides, then the setting is undone.
+        unsafe {
+            pg_sys::set_config_option(
+                c"synchronous_commit".as_ptr(),
+                c"off".as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_LOCAL,
+                true,
+                0,
+                false,
+            );
+        }
+        extension_ready().then(|| claim_batch(worker_id, lease_seconds))
+    });
+    if claimed.as_ref().is_some_and(|jobs| !jobs.is_empty()) {
+        unsafe {
+            let commit_end = pg_sys::XactLastCommitEnd;
+            // As the WAL writer does: writes what asynchronous commits left in the WAL buffers,
+            // flushing only now and then; it stops at a page boundary when whole pages wait, and
+            // then the claim's record is flushed as a synchronous commit would have.
+            pg_sys::XLogBackgroundFlush();
+            if pg_sys::GetXLogWriteRecPtr() < commit_end {
+                pg_sys::XLogFlush(commit_end);
+            }
+        }
+    }
+    claimed
+}
+
 /// Gives back jobs claimed ahead that will not run now (the worker was switched off).
 fn give_back_claimed_ahead(worker_id: &str) {
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
@@ -369,11 +408,8 @@ fn give_back_claimed_ahead(worker_id: &str) {
 fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
-    let claimed = if ahead.is_empty() {
-        BackgroundWorker::transaction(|| extension_ready().then(|| claim_batch(worker_id, lease_seconds)))
-    } else {
-        Some(ahead)
-    };
+    let claimed =
+        if ahead.is_empty() { claim_in_own_transaction(worker_id, lease_seconds) } else { Some(ahead) };
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,

@@ -91,7 +91,8 @@ fn context_switches(pid: i32) -> i64 {
 /// A cluster whose one worker is switched off and polls once a minute: what runs a job sooner
 /// is a wake-up.
 fn switched_off_worker_with_a_long_poll() -> (Cluster, Client) {
-    let cluster = Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
+    let cluster =
+        Cluster::start("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.poll_interval = '60s'");
     let mut client = cluster.connect();
     client.batch_execute(EFFECTS).unwrap();
     wait_for_worker_activity(&mut client, SWITCHED_OFF);
@@ -148,7 +149,9 @@ fn a_reload_that_lands_during_a_lock_wait_switches_the_worker_on_at_once() {
     client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
     client.batch_execute("SELECT pg_reload_conf()").unwrap();
     // The worker's lock_timeout ends the wait.
-    wait_until(Duration::from_secs(10), "the lock wait to end", || count(&mut client, worker_waits_for_lock) == 0);
+    wait_until(Duration::from_secs(10), "the lock wait to end", || {
+        count(&mut client, worker_waits_for_lock) == 0
+    });
     holder.batch_execute("COMMIT").unwrap();
     enqueue_many(&mut client, "record", 1);
     wait_until(Duration::from_secs(20), "the job to run", || jobs_in_state(&mut client, "succeeded") == 1);
@@ -321,6 +324,74 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
         .unwrap()
         .get(0);
     assert_eq!(attempts, 2);
+}
+
+/// The poll's claim commits without waiting for its WAL flush, and writes that WAL to the
+/// operating system before the handler starts: a crash of PostgreSQL right after the claim finds
+/// the job running, its attempt counted. Here nothing else writes or flushes the claim's WAL in
+/// time (the WAL writer sleeps 10 s between rounds; no other commit comes): a claim left in the
+/// WAL buffers was lost with them, and the job came back available.
+#[test]
+fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}wal_writer_delay = '10s'\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.sleep_long(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT pg_sleep(60)';
+             SELECT durable_jobs.register_durable_job_handler('long', 'public.sleep_long(jsonb)');",
+        )
+        .unwrap();
+    let job_id: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('long', '{}')", &[]).unwrap().get(0);
+    let mut sleeping_worker = None;
+    wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
+        sleeping_worker = client
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<_, i32>(0));
+        sleeping_worker.is_some()
+    });
+    // A clock reading writes no WAL (a reload, say, would have woken the WAL writer).
+    let before_crash: std::time::SystemTime =
+        client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+    let killed_pid = sleeping_worker.unwrap();
+    let killed = std::process::Command::new("kill").args(["-9", &killed_pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+
+    // Read once the crash restarted the sessions: the worker is back under a new pid.
+    let mut job = None;
+    wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
+        let mut client = cluster.connect_when_ready(Duration::from_secs(30));
+        let restarted = client
+            .query_one(
+                "SELECT count(*) = 1 FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
+                &[&killed_pid],
+            )
+            .is_ok_and(|row| row.get(0));
+        job = client
+            .query_one(
+                "SELECT job_state, attempt_count, updated_at FROM durable_jobs.durable_job WHERE job_id = $1",
+                &[&job_id],
+            )
+            .ok()
+            .filter(|_| restarted)
+            .map(|row| {
+                (row.get::<_, String>(0), row.get::<_, i32>(1), row.get::<_, std::time::SystemTime>(2))
+            });
+        job.is_some()
+    });
+    // A lost claim leaves the job available, or claimed again by the restarted worker.
+    let (state, attempts, updated_at) = job.unwrap();
+    assert_eq!(
+        (state.as_str(), attempts, updated_at < before_crash),
+        ("running", 1, true),
+        "the claim did not survive the crash"
+    );
 }
 
 #[test]
