@@ -1,7 +1,8 @@
 //! The background worker: poll, claim jobs whose kind has a handler, run them, repeat.
 //!
 //! Transaction 1 claims and commits the leases, so a crash after it loses nothing: a job is
-//! claimed again once its lease expires. (A busy worker claims its next batch at the end of
+//! claimed again once its lease expires (that commit waits for no flush, see
+//! `claim_in_own_transaction`). (A busy worker claims its next batch at the end of
 //! the transaction that runs the last batch, and commits it there: `claim_ahead`.) Then one
 //! transaction per enqueuing role runs that role's handlers (see `execution`): in the worker's
 //! own session for the role it is bound to, in a role runner's session of its own for any other
