@@ -317,17 +317,23 @@ const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 /// Claims up to a batch of jobs for this worker in the current transaction, after ending
 /// exhausted leases when that is due.
 fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
+    claim_batch_and_expire(worker_id, lease_seconds).0
+}
+
+/// `claim_batch`, also telling whether it ended any exhausted lease.
+fn claim_batch_and_expire(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
-    let jobs = with_worker_settings(|| {
+    let (jobs, expired) = with_worker_settings(|| {
+        let expired = if expiry_due { lease::expire_exhausted_leases() } else { 0 };
         // Due again at the next poll while a call finds a full batch of them (after a crash);
         // otherwise counted from here even if the transaction fails: retried a second later.
-        if expiry_due && lease::expire_exhausted_leases() < lease::EXPIRE_BATCH {
+        if expiry_due && expired < lease::EXPIRE_BATCH {
             LAST_EXPIRY.with(|last| last.set(Some(Instant::now())));
         }
-        lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch)
+        (lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch), expired)
     });
-    jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect()
+    (jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect(), expired > 0)
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -358,42 +364,67 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
 }
 
 /// A poll's claim, in a transaction of its own that commits without waiting for its WAL to
-/// reach the disk, a flush less between an enqueue and its handler: the claim's WAL is written
-/// to the operating system before any of its handlers starts, so a crash of PostgreSQL (a
-/// handler that takes its backend down included) keeps the attempt counted. Only an operating
-/// system crash before the WAL writer flushes it (within three `wal_writer_delay`s) can undo
-/// the claim: the job is then available again, the attempt uncounted, and nothing of the
-/// interrupted run committed, since the run's durable commit flushes the claim's WAL first.
+/// reach the disk, a flush less between an enqueue and its handler while claims come less than
+/// `wal_writer_delay` apart: the claim's WAL is written to the operating system before any of
+/// its handlers starts (and flushed when `wal_writer_delay` has passed since this worker's last
+/// flush), so a crash of PostgreSQL, a handler that takes its backend down included, keeps the
+/// attempt counted. Only an operating system crash before the WAL writer flushes it (within
+/// three `wal_writer_delay`s) can undo the claim: the job is then available again, the attempt
+/// uncounted, and nothing of the interrupted run committed, since the run's durable commit
+/// flushes the claim's WAL first. A transaction that ended exhausted leases (their waiters are
+/// told at once) commits as configured, as does every claim when synchronous standbys are
+/// configured (a failover must not lose it).
 fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
     let claimed = BackgroundWorker::transaction(|| {
-        // SET LOCAL: the transaction's own commit decides, then the setting is undone.
-        unsafe {
-            pg_sys::set_config_option(
-                c"synchronous_commit".as_ptr(),
-                c"off".as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_LOCAL,
-                true,
-                0,
-                false,
-            );
-        }
-        extension_ready().then(|| claim_batch(worker_id, lease_seconds))
-    });
-    if claimed.as_ref().is_some_and(|jobs| !jobs.is_empty()) {
-        unsafe {
-            let commit_end = pg_sys::XactLastCommitEnd;
-            // As the WAL writer does: writes what asynchronous commits left in the WAL buffers,
-            // flushing only now and then; it stops at a page boundary when whole pages wait, and
-            // then the claim's record is flushed as a synchronous commit would have.
-            pg_sys::XLogBackgroundFlush();
-            if pg_sys::GetXLogWriteRecPtr() < commit_end {
-                pg_sys::XLogFlush(commit_end);
+        let (claimed, expired) =
+            extension_ready().then(|| claim_batch_and_expire(worker_id, lease_seconds))?;
+        if !expired && !synchronous_standbys_configured() {
+            // SET LOCAL: the transaction's own commit reads it, then it is undone.
+            unsafe {
+                pg_sys::set_config_option(
+                    c"synchronous_commit".as_ptr(),
+                    c"off".as_ptr(),
+                    pg_sys::GucContext::PGC_USERSET,
+                    pg_sys::GucSource::PGC_S_SESSION,
+                    pg_sys::GucAction::GUC_ACTION_LOCAL,
+                    true,
+                    0,
+                    false,
+                );
             }
         }
+        Some(claimed)
+    });
+    if claimed.as_ref().is_some_and(|jobs| !jobs.is_empty()) {
+        write_last_commit();
     }
     claimed
+}
+
+fn synchronous_standbys_configured() -> bool {
+    let names = unsafe { pg_sys::SyncRepStandbyNames };
+    !names.is_null() && unsafe { *names } != 0
+}
+
+/// Writes the WAL up to this session's last commit to the operating system, as the WAL writer
+/// does for asynchronous commits (it flushes now and then: when `wal_writer_delay` has passed
+/// since this process last did); when whole pages wait unflushed before that commit's page, it
+/// would write only those, so the commit is flushed at once instead, as a synchronous commit's.
+fn write_last_commit() {
+    unsafe {
+        let commit_end = pg_sys::XactLastCommitEnd;
+        let page_start = commit_end - commit_end % u64::from(pg_sys::XLOG_BLCKSZ);
+        if page_start > pg_sys::GetFlushRecPtr(std::ptr::null_mut()) {
+            pg_sys::XLogFlush(commit_end);
+            return;
+        }
+        pg_sys::XLogBackgroundFlush();
+        // It can stop short: at the last whole page when more WAL came since, or at the end of
+        // the WAL buffers.
+        if pg_sys::GetXLogWriteRecPtr() < commit_end {
+            pg_sys::XLogFlush(commit_end);
+        }
+    }
 }
 
 /// Gives back jobs claimed ahead that will not run now (the worker was switched off).

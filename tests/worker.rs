@@ -330,68 +330,171 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
 /// operating system before the handler starts: a crash of PostgreSQL right after the claim finds
 /// the job running, its attempt counted. Here nothing else writes or flushes the claim's WAL in
 /// time (the WAL writer sleeps 10 s between rounds; no other commit comes): a claim left in the
-/// WAL buffers was lost with them, and the job came back available.
+/// WAL buffers was lost with them, and the job came back available. Twice: a claim whose WAL
+/// fits the page its predecessors left, written, not flushed (the worker flushed less than 10 s
+/// before, for a first job); then one after a checkpoint, whose full-page images leave whole
+/// pages unflushed before its commit record's.
 #[test]
 fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}wal_writer_delay = '10s'\n"));
     let mut client = cluster.connect();
     client
         .batch_execute(
-            "CREATE FUNCTION public.sleep_long(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT pg_sleep(60)';
-             SELECT durable_jobs.register_durable_job_handler('long', 'public.sleep_long(jsonb)');",
+            "CREATE FUNCTION public.sleep_for(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep((payload->>'seconds')::float8) $$;
+             SELECT durable_jobs.register_durable_job_handler('sleep', 'public.sleep_for(jsonb)');",
         )
         .unwrap();
-    let job_id: i64 =
-        client.query_one("SELECT durable_jobs.enqueue_durable_job('long', '{}')", &[]).unwrap().get(0);
-    let mut sleeping_worker = None;
-    wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
-        sleeping_worker = client
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity
-                 WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+    for after_a_checkpoint in [false, true] {
+        // The (restarted) worker's first claim flushes: that job runs first.
+        let first: i64 = client
+            .query_one("SELECT durable_jobs.enqueue_durable_job('sleep', '{\"seconds\": 0}')", &[])
+            .unwrap()
+            .get(0);
+        wait_until(Duration::from_secs(20), "the first job to succeed", || {
+            job_outcome(&mut client, &format!("job_id = {first}")).0 == "succeeded"
+        });
+        // After a checkpoint: due once the checkpoint below is done, so that the claim comes after it.
+        let delay = if after_a_checkpoint { "1 s" } else { "0 s" };
+        let job_id: i64 = client
+            .query_one(
+                &format!(
+                    "SELECT durable_jobs.enqueue_durable_job('sleep', '{{\"seconds\": 60}}',
+                                                            run_after => now() + interval '{delay}')"
+                ),
                 &[],
             )
             .unwrap()
-            .map(|row| row.get::<_, i32>(0));
-        sleeping_worker.is_some()
+            .get(0);
+        if after_a_checkpoint {
+            client.execute("CHECKPOINT", &[]).unwrap();
+        }
+        let mut sleeping_worker = None;
+        wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
+            sleeping_worker = client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+                    &[],
+                )
+                .unwrap()
+                .map(|row| row.get::<_, i32>(0));
+            sleeping_worker.is_some()
+        });
+        // A clock reading writes no WAL (a reload, say, would have woken the WAL writer).
+        let before_crash: std::time::SystemTime =
+            client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+        let killed_pid = sleeping_worker.unwrap();
+        let killed =
+            std::process::Command::new("kill").args(["-9", &killed_pid.to_string()]).status().unwrap();
+        assert!(killed.success());
+
+        // Read once the crash restarted the sessions: the worker is back under a new pid.
+        let mut job = None;
+        wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
+            client = cluster.connect_when_ready(Duration::from_secs(30));
+            let restarted = client
+                .query_one(
+                    "SELECT count(*) = 1 FROM pg_stat_activity
+                     WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
+                    &[&killed_pid],
+                )
+                .is_ok_and(|row| row.get(0));
+            job = client
+                .query_one(
+                    "SELECT job_state, attempt_count, updated_at FROM durable_jobs.durable_job WHERE job_id = $1",
+                    &[&job_id],
+                )
+                .ok()
+                .filter(|_| restarted)
+                .map(|row| (row.get::<_, String>(0), row.get::<_, i32>(1), row.get::<_, std::time::SystemTime>(2)));
+            job.is_some()
+        });
+        // A lost claim leaves the job available, or claimed again by the restarted worker.
+        let (state, attempts, updated_at) = job.unwrap();
+        assert_eq!(
+            (state.as_str(), attempts, updated_at < before_crash),
+            ("running", 1, true),
+            "the claim did not survive the crash (after a checkpoint: {after_a_checkpoint})"
+        );
+    }
+}
+
+/// The worker's expiry of exhausted leases tells waiters the job ended: that commit stays
+/// durable (it waits for its flush), and a crash right after it keeps the job failed. Committed
+/// without waiting, with nothing written after it, it was lost with the crash and the job
+/// expired again after the restart.
+#[test]
+fn an_expiry_of_exhausted_leases_survives_a_crash_right_after_it() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}wal_writer_delay = '10s'\n"));
+    let mut client = cluster.connect();
+    // No handler for its kind: only the SQL API claims it, for one second, its one attempt.
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('external', '{}', max_attempts => 1)", &[])
+        .unwrap()
+        .get(0);
+    client.execute("SELECT durable_jobs.claim_next_durable_job('outside', lease_seconds => 1)", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "the worker to expire the lease", || {
+        job_outcome(&mut client, &format!("job_id = {job_id}")).0 == "failed"
     });
-    // A clock reading writes no WAL (a reload, say, would have woken the WAL writer).
     let before_crash: std::time::SystemTime =
         client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
-    let killed_pid = sleeping_worker.unwrap();
-    let killed = std::process::Command::new("kill").args(["-9", &killed_pid.to_string()]).status().unwrap();
+    let pids = cluster.worker_pids(&mut client);
+    let killed = std::process::Command::new("kill").args(["-9", &pids[0].to_string()]).status().unwrap();
     assert!(killed.success());
 
-    // Read once the crash restarted the sessions: the worker is back under a new pid.
     let mut job = None;
     wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
-        let mut client = cluster.connect_when_ready(Duration::from_secs(30));
+        client = cluster.connect_when_ready(Duration::from_secs(30));
         let restarted = client
             .query_one(
                 "SELECT count(*) = 1 FROM pg_stat_activity
                  WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
-                &[&killed_pid],
+                &[&pids[0]],
             )
             .is_ok_and(|row| row.get(0));
         job = client
             .query_one(
-                "SELECT job_state, attempt_count, updated_at FROM durable_jobs.durable_job WHERE job_id = $1",
+                "SELECT job_state, last_failure_code, finished_at FROM durable_jobs.durable_job WHERE job_id = $1",
                 &[&job_id],
             )
             .ok()
             .filter(|_| restarted)
-            .map(|row| {
-                (row.get::<_, String>(0), row.get::<_, i32>(1), row.get::<_, std::time::SystemTime>(2))
-            });
+            .map(|row| (row.get::<_, String>(0), row.get::<_, Option<String>>(1), row.get::<_, Option<std::time::SystemTime>>(2)));
         job.is_some()
     });
-    // A lost claim leaves the job available, or claimed again by the restarted worker.
-    let (state, attempts, updated_at) = job.unwrap();
+    let (state, code, finished_at) = job.unwrap();
     assert_eq!(
-        (state.as_str(), attempts, updated_at < before_crash),
-        ("running", 1, true),
-        "the claim did not survive the crash"
+        (state.as_str(), code.as_deref(), finished_at.is_some_and(|at| at < before_crash)),
+        ("failed", Some("lease_expired"), true),
+        "the expiry did not survive the crash"
     );
+}
+
+/// With synchronous standbys configured, the worker's claim commits as configured: it waits for
+/// a standby (here none ever comes) before anyone sees the job claimed.
+#[test]
+fn with_synchronous_standbys_the_claim_waits_for_them() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    client.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'", &[]).unwrap();
+    client.execute("SELECT pg_reload_conf()", &[]).unwrap();
+    // The enqueue itself does not wait for the standby.
+    client.batch_execute("SET synchronous_commit = local").unwrap();
+    // Once the worker has taken in the reload (it does before each poll).
+    std::thread::sleep(Duration::from_millis(500));
+    enqueue_many(&mut client, "record", 1);
+    wait_until(Duration::from_secs(20), "the worker's claim to wait for a standby", || {
+        count(
+            &mut client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'SyncRep'",
+        ) == 1
+    });
+    // Not visible before the standby confirms it; a claim committed without waiting would show
+    // the job running, its run transaction waiting instead.
+    assert_eq!(jobs_in_state(&mut client, "available"), 1);
 }
 
 #[test]
