@@ -378,7 +378,8 @@ fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claim
     let claimed = BackgroundWorker::transaction(|| {
         let (claimed, expired) =
             extension_ready().then(|| claim_batch_and_expire(worker_id, lease_seconds))?;
-        if !expired && !synchronous_standbys_configured() {
+        let without_waiting = !expired && !synchronous_standbys_configured();
+        if without_waiting {
             // SET LOCAL: the transaction's own commit reads it, then it is undone.
             unsafe {
                 pg_sys::set_config_option(
@@ -393,14 +394,18 @@ fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claim
                 );
             }
         }
-        Some(claimed)
+        Some((claimed, without_waiting))
     });
-    if claimed.as_ref().is_some_and(|jobs| !jobs.is_empty()) {
-        write_last_commit();
-    }
-    claimed
+    claimed.map(|(claimed, without_waiting)| {
+        if without_waiting && !claimed.is_empty() {
+            write_last_commit();
+        }
+        claimed
+    })
 }
 
+/// As PostgreSQL's `SyncStandbysDefined()`, from this session's settings: a reload that names
+/// standbys reaches the worker before its next poll.
 fn synchronous_standbys_configured() -> bool {
     let names = unsafe { pg_sys::SyncRepStandbyNames };
     !names.is_null() && unsafe { *names } != 0
@@ -408,11 +413,15 @@ fn synchronous_standbys_configured() -> bool {
 
 /// Writes the WAL up to this session's last commit to the operating system, as the WAL writer
 /// does for asynchronous commits (it flushes now and then: when `wal_writer_delay` has passed
-/// since this process last did); when whole pages wait unflushed before that commit's page, it
-/// would write only those, so the commit is flushed at once instead, as a synchronous commit's.
+/// since its last flush in this process); when the WAL not yet flushed crosses into that
+/// commit's page, it would write only the pages before, so the commit is flushed at once
+/// instead, as a synchronous commit's.
 fn write_last_commit() {
     unsafe {
         let commit_end = pg_sys::XactLastCommitEnd;
+        if pg_sys::GetXLogWriteRecPtr() >= commit_end {
+            return;
+        }
         let page_start = commit_end - commit_end % u64::from(pg_sys::XLOG_BLCKSZ);
         if page_start > pg_sys::GetFlushRecPtr(std::ptr::null_mut()) {
             pg_sys::XLogFlush(commit_end);

@@ -475,15 +475,12 @@ fn an_expiry_of_exhausted_leases_survives_a_crash_right_after_it() {
 /// a standby (here none ever comes) before anyone sees the job claimed.
 #[test]
 fn with_synchronous_standbys_the_claim_waits_for_them() {
-    let cluster = Cluster::start(WORKER_CONF);
+    let cluster =
+        Cluster::start_without_extension(&format!("{WORKER_CONF}synchronous_standby_names = 'nobody'\n"));
     let mut client = cluster.connect();
+    // This session's commits do not wait for the standby.
+    client.batch_execute("SET synchronous_commit = local; CREATE EXTENSION durable_jobs").unwrap();
     client.batch_execute(EFFECTS).unwrap();
-    client.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'", &[]).unwrap();
-    client.execute("SELECT pg_reload_conf()", &[]).unwrap();
-    // The enqueue itself does not wait for the standby.
-    client.batch_execute("SET synchronous_commit = local").unwrap();
-    // Once the worker has taken in the reload (it does before each poll).
-    std::thread::sleep(Duration::from_millis(500));
     enqueue_many(&mut client, "record", 1);
     wait_until(Duration::from_secs(20), "the worker's claim to wait for a standby", || {
         count(
