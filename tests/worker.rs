@@ -47,6 +47,50 @@ fn wait_for_worker_activity(client: &mut Client, activity: &str) {
     });
 }
 
+/// Waits until the (one) background worker's handler sleeps in pg_sleep; returns its pid.
+fn sleeping_handlers_worker(client: &mut Client) -> i32 {
+    let mut sleeping_worker = None;
+    wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
+        sleeping_worker = client
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get::<_, i32>(0));
+        sleeping_worker.is_some()
+    });
+    sleeping_worker.unwrap()
+}
+
+/// Kills the worker `pid` with SIGKILL and, once the crash restart brought the (one) worker back
+/// under a new pid, returns a new connection and what `read` found there.
+fn crash_and_read<T>(
+    cluster: &Cluster,
+    pid: i32,
+    mut read: impl FnMut(&mut Client) -> Option<T>,
+) -> (Client, T) {
+    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+    let mut found = None;
+    wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
+        let mut client = cluster.connect_when_ready(Duration::from_secs(30));
+        let restarted = client
+            .query_one(
+                "SELECT count(*) = 1 FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
+                &[&pid],
+            )
+            .is_ok_and(|row| row.get(0));
+        if restarted {
+            found = read(&mut client).map(|value| (client, value));
+        }
+        found.is_some()
+    });
+    found.unwrap()
+}
+
 #[test]
 fn the_worker_is_off_by_default_and_drains_once_switched_on() {
     let cluster =
@@ -289,20 +333,9 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
         .unwrap()
         .get(0);
 
-    let mut sleeping_worker = None;
-    wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
-        sleeping_worker = client
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity
-                 WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
-                &[],
-            )
-            .unwrap()
-            .map(|row| row.get::<_, i32>(0));
-        sleeping_worker.is_some()
-    });
+    let sleeping_worker = sleeping_handlers_worker(&mut client);
     client.execute("UPDATE public.sleep_for SET seconds = 0", &[]).unwrap();
-    let pid = sleeping_worker.unwrap();
+    let pid = sleeping_worker;
     let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
     assert!(killed.success());
 
@@ -369,49 +402,22 @@ fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
         if after_a_checkpoint {
             client.execute("CHECKPOINT", &[]).unwrap();
         }
-        let mut sleeping_worker = None;
-        wait_until(Duration::from_secs(20), "the handler to be sleeping", || {
-            sleeping_worker = client
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity
-                     WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
-                    &[],
-                )
-                .unwrap()
-                .map(|row| row.get::<_, i32>(0));
-            sleeping_worker.is_some()
-        });
+        let sleeping_worker = sleeping_handlers_worker(&mut client);
         // A clock reading writes no WAL (a reload, say, would have woken the WAL writer).
         let before_crash: std::time::SystemTime =
             client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
-        let killed_pid = sleeping_worker.unwrap();
-        let killed =
-            std::process::Command::new("kill").args(["-9", &killed_pid.to_string()]).status().unwrap();
-        assert!(killed.success());
-
-        // Read once the crash restarted the sessions: the worker is back under a new pid.
-        let mut job = None;
-        wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
-            client = cluster.connect_when_ready(Duration::from_secs(30));
-            let restarted = client
-                .query_one(
-                    "SELECT count(*) = 1 FROM pg_stat_activity
-                     WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
-                    &[&killed_pid],
-                )
-                .is_ok_and(|row| row.get(0));
-            job = client
+        let (job_client, job) = crash_and_read(&cluster, sleeping_worker, |client| {
+            client
                 .query_one(
                     "SELECT job_state, attempt_count, updated_at FROM durable_jobs.durable_job WHERE job_id = $1",
                     &[&job_id],
                 )
                 .ok()
-                .filter(|_| restarted)
-                .map(|row| (row.get::<_, String>(0), row.get::<_, i32>(1), row.get::<_, std::time::SystemTime>(2)));
-            job.is_some()
+                .map(|row| (row.get::<_, String>(0), row.get::<_, i32>(1), row.get::<_, std::time::SystemTime>(2)))
         });
+        client = job_client;
         // A lost claim leaves the job available, or claimed again by the restarted worker.
-        let (state, attempts, updated_at) = job.unwrap();
+        let (state, attempts, updated_at) = job;
         assert_eq!(
             (state.as_str(), attempts, updated_at < before_crash),
             ("running", 1, true),
@@ -439,31 +445,18 @@ fn an_expiry_of_exhausted_leases_survives_a_crash_right_after_it() {
     });
     let before_crash: std::time::SystemTime =
         client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
-    let pids = cluster.worker_pids(&mut client);
-    let killed = std::process::Command::new("kill").args(["-9", &pids[0].to_string()]).status().unwrap();
-    assert!(killed.success());
-
-    let mut job = None;
-    wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
-        client = cluster.connect_when_ready(Duration::from_secs(30));
-        let restarted = client
-            .query_one(
-                "SELECT count(*) = 1 FROM pg_stat_activity
-                 WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
-                &[&pids[0]],
-            )
-            .is_ok_and(|row| row.get(0));
-        job = client
+    let worker = cluster.worker_pids(&mut client)[0];
+    let (_, (state, code, finished_at)) = crash_and_read(&cluster, worker, |client| {
+        client
             .query_one(
                 "SELECT job_state, last_failure_code, finished_at FROM durable_jobs.durable_job WHERE job_id = $1",
                 &[&job_id],
             )
             .ok()
-            .filter(|_| restarted)
-            .map(|row| (row.get::<_, String>(0), row.get::<_, Option<String>>(1), row.get::<_, Option<std::time::SystemTime>>(2)));
-        job.is_some()
+            .map(|row| {
+                (row.get::<_, String>(0), row.get::<_, Option<String>>(1), row.get::<_, Option<std::time::SystemTime>>(2))
+            })
     });
-    let (state, code, finished_at) = job.unwrap();
     assert_eq!(
         (state.as_str(), code.as_deref(), finished_at.is_some_and(|at| at < before_crash)),
         ("failed", Some("lease_expired"), true),
