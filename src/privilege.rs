@@ -161,13 +161,22 @@ pub fn with_worker_settings<R>(f: impl FnOnce() -> R) -> R {
 /// Sets a setting as a function's `SET` clause does: saved, so that `AtEOXact_GUC` for the
 /// current GUC nest level (from `NewGUCNestLevel`) puts the previous value back.
 pub(crate) unsafe fn set_at_this_level(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    unsafe { set_config(name, value, pg_sys::GucAction::GUC_ACTION_SAVE) }
+}
+
+/// Sets a setting as `SET LOCAL` does: until the current transaction ends, its commit included.
+pub(crate) unsafe fn set_for_this_transaction(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    unsafe { set_config(name, value, pg_sys::GucAction::GUC_ACTION_LOCAL) }
+}
+
+unsafe fn set_config(name: &std::ffi::CStr, value: &std::ffi::CStr, action: pg_sys::GucAction::Type) {
     unsafe {
         pg_sys::set_config_option(
             name.as_ptr(),
             value.as_ptr(),
             pg_sys::GucContext::PGC_USERSET,
             pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
+            action,
             true,
             0,
             false,

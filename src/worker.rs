@@ -14,7 +14,7 @@ use crate::execution::{self, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
-use crate::privilege::{as_extension_owner_of, with_worker_settings};
+use crate::privilege::{as_extension_owner_of, set_for_this_transaction, with_worker_settings};
 use crate::retention;
 use crate::runner;
 use crate::settings;
@@ -315,13 +315,8 @@ type Claimed = Vec<(String, (i64, Uuid))>;
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 /// Claims up to a batch of jobs for this worker in the current transaction, after ending
-/// exhausted leases when that is due.
-fn claim_batch(worker_id: &str, lease_seconds: i32) -> Claimed {
-    claim_batch_and_expire(worker_id, lease_seconds).0
-}
-
-/// `claim_batch`, also telling whether it ended any exhausted lease.
-fn claim_batch_and_expire(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
+/// exhausted leases when that is due; also tells whether it ended any.
+fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let (jobs, expired) = with_worker_settings(|| {
@@ -351,7 +346,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
         // Asked again here: under a steady load no poll claims on its own, and a schema of
         // another version is left alone (see `extension_ready`).
         if extension_ready() {
-            claimed = claim_batch(worker_id, lease_seconds);
+            claimed = claim_batch(worker_id, lease_seconds).0;
         }
         true
     }) {
@@ -376,23 +371,11 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// configured (a failover must not lose it).
 fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
     let claimed = BackgroundWorker::transaction(|| {
-        let (claimed, expired) =
-            extension_ready().then(|| claim_batch_and_expire(worker_id, lease_seconds))?;
+        let (claimed, expired) = extension_ready().then(|| claim_batch(worker_id, lease_seconds))?;
         let without_waiting = !expired && !synchronous_standbys_configured();
         if without_waiting {
-            // SET LOCAL: the transaction's own commit reads it, then it is undone.
-            unsafe {
-                pg_sys::set_config_option(
-                    c"synchronous_commit".as_ptr(),
-                    c"off".as_ptr(),
-                    pg_sys::GucContext::PGC_USERSET,
-                    pg_sys::GucSource::PGC_S_SESSION,
-                    pg_sys::GucAction::GUC_ACTION_LOCAL,
-                    true,
-                    0,
-                    false,
-                );
-            }
+            // The transaction's own commit reads it, then it is undone.
+            unsafe { set_for_this_transaction(c"synchronous_commit", c"off") };
         }
         Some((claimed, without_waiting))
     });

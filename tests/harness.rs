@@ -238,6 +238,23 @@ impl Cluster {
             .map(|row| row.get(0))
             .collect()
     }
+
+    /// Kills the background worker `victim` (one of `workers`, the pids running now) with
+    /// SIGKILL, checks the kill took, and waits until the crash restart brought the workers back,
+    /// every one under a new pid.
+    pub fn kill_worker_and_await_restart(&self, victim: i32, workers: &[i32]) {
+        let status = Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill -9");
+        assert!(status.success(), "kill -9 {victim}");
+        // A killed backend makes the postmaster reset every session.
+        wait_until(std::time::Duration::from_secs(60), "the workers back after the kill", || {
+            let mut client = self.connect_when_ready(std::time::Duration::from_secs(60));
+            let now: Vec<i32> = client
+                .query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'", &[])
+                .map(|rows| rows.iter().map(|row| row.get(0)).collect())
+                .unwrap_or_default();
+            !now.is_empty() && now.iter().all(|pid| !workers.contains(pid))
+        });
+    }
 }
 
 /// An error's SQLSTATE and message (postgres::Error shows only "db error").

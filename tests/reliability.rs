@@ -281,19 +281,7 @@ fn kill_a_worker(cluster: &Cluster) {
         pids = cluster.worker_pids(&mut client);
         !pids.is_empty()
     });
-    let victim = pids[pids.len() / 2];
-    let status =
-        std::process::Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill -9");
-    assert!(status.success(), "kill -9 {victim}");
-    // A killed backend makes the postmaster reset every session; workers come back as new pids.
-    wait_until(Duration::from_secs(60), "the workers back after the kill", || {
-        let mut client = cluster.connect_when_ready(Duration::from_secs(60));
-        let now: Vec<i32> = client
-            .query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'", &[])
-            .map(|rows| rows.iter().map(|row| row.get(0)).collect())
-            .unwrap_or_default();
-        !now.is_empty() && now.iter().all(|pid| !pids.contains(pid))
-    });
+    cluster.kill_worker_and_await_restart(pids[pids.len() / 2], &pids);
 }
 
 /// Counters agree with the rows: the background workers' successes are their effects. (Counting

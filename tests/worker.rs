@@ -64,28 +64,18 @@ fn sleeping_handlers_worker(client: &mut Client) -> i32 {
     sleeping_worker.unwrap()
 }
 
-/// Kills the worker `pid` with SIGKILL and, once the crash restart brought the (one) worker back
-/// under a new pid, returns a new connection and what `read` found there.
+/// Kills the (one) worker `pid` with SIGKILL and, once the crash restart brought it back under a
+/// new pid, returns a new connection and what `read` found there.
 fn crash_and_read<T>(
     cluster: &Cluster,
     pid: i32,
     mut read: impl FnMut(&mut Client) -> Option<T>,
 ) -> (Client, T) {
-    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
-    assert!(killed.success());
+    cluster.kill_worker_and_await_restart(pid, &[pid]);
     let mut found = None;
-    wait_until(Duration::from_secs(60), "the server to restart after the crash", || {
+    wait_until(Duration::from_secs(30), "the read after the restart", || {
         let mut client = cluster.connect_when_ready(Duration::from_secs(30));
-        let restarted = client
-            .query_one(
-                "SELECT count(*) = 1 FROM pg_stat_activity
-                 WHERE backend_type = 'durable_jobs worker' AND pid <> $1",
-                &[&pid],
-            )
-            .is_ok_and(|row| row.get(0));
-        if restarted {
-            found = read(&mut client).map(|value| (client, value));
-        }
+        found = read(&mut client).map(|value| (client, value));
         found.is_some()
     });
     found.unwrap()
@@ -335,11 +325,9 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
 
     let sleeping_worker = sleeping_handlers_worker(&mut client);
     client.execute("UPDATE public.sleep_for SET seconds = 0", &[]).unwrap();
-    let pid = sleeping_worker;
-    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
-    assert!(killed.success());
+    cluster.kill_worker_and_await_restart(sleeping_worker, &[sleeping_worker]);
 
-    // The postmaster restarts after the crash; the job is claimed again once its lease expires.
+    // The job is claimed again once its lease expires.
     let mut client = cluster.connect_when_ready(Duration::from_secs(30));
     wait_until(Duration::from_secs(60), "the job to be run again", || {
         match client.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
