@@ -94,6 +94,9 @@ pub fn set_latch_of(procno_plus_one: i32) {
 /// sleeps, misses no change whose setter set the latch after making it visible. Returns
 /// whether the latch was set (false: the time ran out).
 pub fn sleep_on_latch(timeout: std::time::Duration) -> bool {
+    // Interrupts first, as PostgreSQL's own wait loops do: a cancel that came while interrupts
+    // were held, and whose latch a lock wait since reset, would otherwise wait out the timeout.
+    pg_sys::check_for_interrupts!();
     let events = unsafe {
         let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
