@@ -61,20 +61,12 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
-            // A batch's jobs share a few handlers and enqueuers: each pair is checked once.
-            let mut runnable: HashMap<(String, String), Option<RunnableHandler>> = HashMap::new();
+            let mut runnable = RunnableHandlers::default();
             plans::execute_generic(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
-                    let registered: Option<String> = row.get(3).unwrap();
-                    let enqueuer: String = row.get(4).unwrap().unwrap();
-                    let handler = registered.and_then(|registered| {
-                        *runnable.entry((registered, enqueuer)).or_insert_with_key(
-                            |(registered, enqueuer)| runnable_handler(registered, enqueuer),
-                        )
-                    });
                     let job = LoadedJob {
                         payload: row.get(2).unwrap().unwrap(),
-                        handler,
+                        handler: runnable.of(row.get(3).unwrap(), row.get(4).unwrap().unwrap()),
                         lease_expires_unix_us: row.get(5).unwrap().unwrap(),
                         job_kind: row.get(6).unwrap().unwrap(),
                         attempt_count: row.get(7).unwrap().unwrap(),
@@ -84,6 +76,75 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
                 .collect()
         })
     })
+}
+
+/// A batch's jobs share a few handlers and enqueuers: each pair is checked once.
+#[derive(Default)]
+struct RunnableHandlers(HashMap<(String, String), Option<RunnableHandler>>);
+
+impl RunnableHandlers {
+    fn of(&mut self, registered: Option<String>, enqueuer: String) -> Option<RunnableHandler> {
+        let registered = registered?;
+        *self
+            .0
+            .entry((registered, enqueuer))
+            .or_insert_with_key(|(registered, enqueuer)| runnable_handler(registered, enqueuer))
+    }
+}
+
+/// A job as the claim of the worker's poll returned it, kept past that claim's commit, so that
+/// the transaction that runs it right after does not read it again: its lease was exactly ours
+/// when the claim committed, a moment before, and a lease lost since (a cancel, say) is found by
+/// the fenced completion, which then rolls the handler's writes back, as for a lease lost while
+/// the handler runs.
+pub(crate) struct ClaimedRow {
+    payload: Vec<u8>,
+    handler: Option<String>,
+    enqueued_by: String,
+    lease_expires_unix_us: i64,
+    job_kind: String,
+    attempt_count: i32,
+}
+
+/// The claim's rows of a batch, by job id.
+pub(crate) type ClaimedRows = HashMap<i64, ClaimedRow>;
+
+impl ClaimedRow {
+    pub(crate) fn of(job: lease::ClaimedJob) -> (i64, ClaimedRow) {
+        let row = ClaimedRow {
+            payload: job.payload.to_bytes(),
+            handler: job.handler,
+            enqueued_by: job.enqueued_by,
+            lease_expires_unix_us: unix_us(job.lease_expires_at),
+            job_kind: job.job_kind,
+            attempt_count: job.attempt_count,
+        };
+        (job.job_id, row)
+    }
+}
+
+/// `load_jobs`, from the claim's rows instead of the table.
+fn loaded_from_claim(jobs: &[(i64, Uuid)], rows: &ClaimedRows) -> HashMap<i64, LoadedJob> {
+    let mut runnable = RunnableHandlers::default();
+    jobs.iter()
+        .filter_map(|(job_id, _)| {
+            let row = rows.get(job_id)?;
+            let job = LoadedJob {
+                payload: JsonbDatum::from_bytes(&row.payload),
+                handler: runnable.of(row.handler.clone(), row.enqueued_by.clone()),
+                lease_expires_unix_us: row.lease_expires_unix_us,
+                job_kind: row.job_kind.clone(),
+                attempt_count: row.attempt_count,
+            };
+            Some((*job_id, job))
+        })
+        .collect()
+}
+
+/// A timestamp as Unix microseconds (PostgreSQL counts from 2000-01-01).
+fn unix_us(at: TimestampWithTimeZone) -> i64 {
+    const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+    pg_sys::TimestampTz::from(at) + POSTGRES_EPOCH_UNIX_US
 }
 
 fn now_unix_us() -> i64 {
@@ -181,19 +242,24 @@ fn fail_batch_for_a_lost_lease() -> ! {
 /// with less lease than that left, the leases of the batch's remaining jobs are renewed in one
 /// statement (`Batched`, after completing the successes so far), and those of `later`, the
 /// claim's jobs of other enqueuers still to run in transactions of their own, in a
-/// subtransaction whose failure costs this batch nothing.
+/// subtransaction whose failure costs this batch nothing. The jobs are read from `claimed_rows`
+/// when given (the claim that just committed), otherwise loaded (`load_jobs`).
 pub fn run_jobs(
     jobs: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
     mut completion: Completion,
+    claimed_rows: Option<&ClaimedRows>,
 ) -> Tally {
     with_worker_settings(|| {
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
-        let mut loaded = load_jobs(jobs, worker_id);
+        let mut loaded = match claimed_rows {
+            Some(rows) => loaded_from_claim(jobs, rows),
+            None => load_jobs(jobs, worker_id),
+        };
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {

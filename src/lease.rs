@@ -78,10 +78,11 @@ macro_rules! expire_exhausted_ctes {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `$claimed` adds the status columns' changes where the schema has them. The lease tokens
-// come in $6, one per job the claim may take (`randomness`), handed out in claim order.
+// batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
+// columns after the eight every claim returns. The lease tokens come in $6, one per job the
+// claim may take (`randomness`), handed out in claim order.
 macro_rules! claim_ctes {
-    ($kind_filter:expr, $claimed:expr) => {
+    ($kind_filter:expr, $claimed:expr, $returning:expr) => {
         concat!(
             "
                 -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
@@ -121,7 +122,9 @@ macro_rules! claim_ctes {
                     updated_at = pg_catalog.clock_timestamp()
                 FROM numbered WHERE j.job_id = numbered.job_id
                 RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
-                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text)"
+                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text",
+            $returning,
+            ")"
         )
     };
 }
@@ -134,7 +137,7 @@ macro_rules! claim_statement {
             "WITH",
             expire_exhausted_ctes!($expired),
             ",",
-            claim_ctes!($kind_filter, $claimed),
+            claim_ctes!($kind_filter, $claimed, ""),
             "
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
@@ -179,7 +182,12 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
            AND (h.registered_by = durable_job.enqueued_by
                 OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
                                                            durable_job.enqueued_by::pg_catalog.text)))",
-        new_state_version!()
+        new_state_version!(),
+        // The kind's handler, so that a batch run right after this claim commits need not read
+        // its jobs again (`execution::ClaimedRow`).
+        ",
+                          (SELECT h.handler FROM durable_jobs.durable_job_handler h
+                           WHERE h.job_kind = j.job_kind)"
     ),
     "
     SELECT * FROM claimed"
@@ -480,6 +488,8 @@ pub struct ClaimedJob {
     pub attempt_count: i32,
     pub max_attempts: i32,
     pub enqueued_by: String,
+    /// The kind's registered handler: claims of the background worker only.
+    pub handler: Option<String>,
 }
 
 /// How many exhausted leases one expiry ends at most (the `LIMIT` of `expire_exhausted_ctes`).
@@ -554,6 +564,7 @@ pub fn claim_jobs(
                             attempt_count: row.get(6).unwrap().unwrap(),
                             max_attempts: row.get(7).unwrap().unwrap(),
                             enqueued_by: row.get(8).unwrap().unwrap(),
+                            handler: if handlers_only { row.get(9).unwrap() } else { None },
                         })
                         .collect();
                 waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);

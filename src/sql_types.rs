@@ -79,6 +79,24 @@ impl JsonbDatum {
     pub fn raw_size(&self) -> usize {
         unsafe { pg_sys::toast_raw_datum_size(self.0) }
     }
+
+    /// The value's bytes, detoasted, to outlive the memory it is in (a transaction's, say).
+    pub fn to_bytes(self) -> Vec<u8> {
+        unsafe {
+            let value = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr());
+            let size = pgrx::varlena::varsize_any(value);
+            std::slice::from_raw_parts(value as *const u8, size).to_vec()
+        }
+    }
+
+    /// The value `to_bytes` kept, copied into the current memory context.
+    pub fn from_bytes(bytes: &[u8]) -> JsonbDatum {
+        unsafe {
+            let copy = pg_sys::palloc(bytes.len()) as *mut u8;
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), copy, bytes.len());
+            JsonbDatum(pg_sys::Datum::from(copy))
+        }
+    }
 }
 
 #[derive(Clone, Copy)]

@@ -10,7 +10,7 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
-use crate::execution::{self, Completion};
+use crate::execution::{self, ClaimedRow, ClaimedRows, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
@@ -86,7 +86,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
             enabled && poll_once(number, &worker_id, !prune_due)
         })
         .unwrap_or(false);
-        let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().is_empty());
+        let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().jobs.is_empty());
         // Retention does not depend on whether jobs run: pruning goes on with the worker off.
         if prune_due && !claimed_ahead {
             in_transaction_or_logged("pruning", prune_finished_jobs);
@@ -210,7 +210,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         }
         lost.publish();
         if !batch.is_empty() {
-            run_batch(&batch, &later, &worker_id, handover.lease_seconds, false);
+            run_batch(&batch, &later, &worker_id, handover.lease_seconds, false, None);
         }
     });
 }
@@ -303,13 +303,18 @@ thread_local! {
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
-    static CLAIMED_AHEAD: RefCell<Claimed> = const { RefCell::new(Vec::new()) };
+    static CLAIMED_AHEAD: RefCell<Claimed> = RefCell::new(Claimed::default());
     /// When this worker last ended exhausted leases (see `claim_batch`).
     static LAST_EXPIRY: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
-/// The claim of a poll, as (enqueuer, (job, lease token)) in claim order.
-type Claimed = Vec<(String, (i64, Uuid))>;
+/// The claim of a poll: (enqueuer, (job, lease token)) in claim order, and what the claim
+/// returned of each job, to run it without reading it again (`execution::ClaimedRow`).
+#[derive(Default)]
+struct Claimed {
+    jobs: Vec<(String, (i64, Uuid))>,
+    rows: ClaimedRows,
+}
 
 /// How often a worker ends exhausted leases as `lease_expired` (`lease::expire_exhausted_leases`).
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
@@ -328,7 +333,8 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
         }
         (lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch), expired)
     });
-    (jobs.into_iter().map(|job| (job.enqueued_by, (job.job_id, job.lease_token))).collect(), expired > 0)
+    let order = jobs.iter().map(|job| (job.enqueued_by.clone(), (job.job_id, job.lease_token))).collect();
+    (Claimed { jobs: order, rows: jobs.into_iter().map(ClaimedRow::of).collect() }, expired > 0)
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -336,7 +342,7 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
 /// pays one durable commit per batch instead of two, and the claim still commits before any of
 /// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing.
 fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
-    let mut claimed = Vec::new();
+    let mut claimed = Claimed::default();
     // A shutdown under way: the claim's lock waits and interrupt checks could only cost the
     // batch before it its commit.
     if !settings::WORKER_ENABLED.get() || unsafe { pg_sys::ProcDiePending } != 0 {
@@ -380,7 +386,7 @@ fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claim
         Some((claimed, without_waiting))
     });
     claimed.map(|(claimed, without_waiting)| {
-        if without_waiting && !claimed.is_empty() {
+        if without_waiting && !claimed.jobs.is_empty() {
             write_last_commit();
         }
         claimed
@@ -422,7 +428,7 @@ fn write_last_commit() {
 /// Gives back jobs claimed ahead that will not run now (the worker was switched off).
 fn give_back_claimed_ahead(worker_id: &str) {
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
-    let jobs: Vec<(i64, Uuid)> = ahead.into_iter().map(|(_, job)| job).collect();
+    let jobs: Vec<(i64, Uuid)> = ahead.jobs.into_iter().map(|(_, job)| job).collect();
     give_back(&jobs, worker_id);
 }
 
@@ -433,15 +439,15 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
     let claimed =
-        if ahead.is_empty() { claim_in_own_transaction(worker_id, lease_seconds) } else { Some(ahead) };
+        if ahead.jobs.is_empty() { claim_in_own_transaction(worker_id, lease_seconds) } else { Some(ahead) };
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,
-        Some(jobs) if jobs.is_empty() => {
+        Some(claimed) if claimed.jobs.is_empty() => {
             metrics::count(Counter::IdlePolls);
             false
         }
-        Some(jobs) => {
+        Some(Claimed { jobs, rows }) => {
             let full = jobs.len() >= settings::CLAIM_BATCH_SIZE.get() as usize;
             let batches = batches_per_enqueuer(jobs);
             for (position, (role, batch)) in batches.iter().enumerate() {
@@ -453,7 +459,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                 let taken = if *role == bound {
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
-                    run_batch(batch, &later, worker_id, lease_seconds, ahead);
+                    run_batch(batch, &later, worker_id, lease_seconds, ahead, Some(&rows));
                     batch.len()
                 } else {
                     run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds)
@@ -468,7 +474,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
 /// transaction of its own, so that roles never share one: no transaction-level lock, statistic
 /// or rerun of one role's job touches another role's.
-fn batches_per_enqueuer(jobs: Claimed) -> Vec<(String, Vec<(i64, Uuid)>)> {
+fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i64, Uuid)>)> {
     let mut batches: Vec<(String, Vec<(i64, Uuid)>)> = Vec::new();
     for (enqueuer, job) in jobs {
         match batches.iter_mut().find(|(role, _)| *role == enqueuer) {
@@ -545,19 +551,27 @@ fn in_worker_transaction<R>(
 /// once this one is done (`claim_ahead`). If that transaction fails as a whole (an error
 /// outside any one job's subtransaction, or at commit), nothing of it is kept and each job of a
 /// larger batch is run again alone, so that the error stays with the job that caused it; a job
-/// whose own transaction fails is failed with that error's code.
-fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32, ahead: bool) {
-    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool| {
+/// whose own transaction fails is failed with that error's code. `claimed_rows`: the jobs as the
+/// claim that committed just before returned them; any run after the first reads them again.
+fn run_batch(
+    jobs: &[(i64, Uuid)],
+    later: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+    ahead: bool,
+    claimed_rows: Option<&ClaimedRows>,
+) {
+    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool, rows| {
         in_transaction(|| {
             BackgroundWorker::transaction(|| {
-                let tally = execution::run_jobs(jobs, later, worker_id, lease_seconds, completion);
-                let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { Vec::new() };
+                let tally = execution::run_jobs(jobs, later, worker_id, lease_seconds, completion, rows);
+                let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { Claimed::default() };
                 (tally, claimed)
             })
         })
         // Kept only once committed: a claim rolled back with its transaction never happened.
         .map(|(tally, claimed)| {
-            if !claimed.is_empty() {
+            if !claimed.jobs.is_empty() {
                 CLAIMED_AHEAD.with(|ahead| *ahead.borrow_mut() = claimed);
             }
             tally
@@ -566,14 +580,14 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
-    let mut outcome = run(jobs, later, first, ahead);
+    let mut outcome = run(jobs, later, first, ahead, claimed_rows);
     if outcome.is_err() && execution::take_lease_lost_in_batch() {
         log!(
             "{WORKER_TYPE}: a batch of {} jobs found a lease lost (or a job's row held by another session) \
              when it completed its jobs; running it again with each job completed after its handler",
             jobs.len()
         );
-        outcome = run(jobs, later, Completion::PerJob, false);
+        outcome = run(jobs, later, Completion::PerJob, false, None);
     }
     // A transaction that failed took its renewals with it; the jobs still to run get theirs
     // back, in a transaction of their own, before anything else runs.
@@ -601,7 +615,7 @@ fn run_batch(jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], worker_id: &str, lease
     for (position, job) in jobs.iter().enumerate() {
         // Renewed with `later` when due, so that the jobs after this one keep their leases.
         let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
-        match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false) {
+        match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None) {
             Ok(tally) => tally.publish(),
             Err(sqlstate) => {
                 renew_after_rollback(&waiting);

@@ -1519,3 +1519,65 @@ fn the_workers_statements_keep_their_plans_when_jobs_arrive_one_at_a_time() {
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 10);
     assert_eq!(replanned_statements(&mut client), Vec::<String>::new());
 }
+
+/// The worker runs the jobs of a claim in the transaction right after the claim's, from what the
+/// claim returned: each handler gets its payload exactly as enqueued (one stored out of line,
+/// too), whether its job was claimed at a poll or ahead by the batch before, and no job is read
+/// again before it runs. Failed before: the worker read every batch again (its load statement
+/// ran once per batch).
+#[test]
+fn handlers_get_their_payloads_from_the_claim_without_a_second_read() {
+    let (_cluster, mut client) = cluster_with_statement_stats("durable_jobs.claim_batch_size = 5\n");
+    client
+        .batch_execute(
+            "CREATE TABLE public.received (payload jsonb);
+             CREATE FUNCTION public.receive(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.received VALUES (payload) $$;
+             SELECT durable_jobs.register_durable_job_handler('receive', 'public.receive(jsonb)');
+             -- Incompressible text: a payload of about 300 kB, stored out of line.
+             CREATE TABLE public.sent AS
+                 SELECT jsonb_build_object('n', 0, 'blob',
+                            (SELECT string_agg(md5(g::text), '') FROM generate_series(1, 10000) g)) AS payload;
+             INSERT INTO public.sent
+                 SELECT jsonb_build_object('n', g, 'nested', jsonb_build_object('a', ARRAY[g, g * 2]), 'x', 1.50)
+                 FROM generate_series(1, 40) g;
+             SELECT pg_stat_statements_reset();",
+        )
+        .unwrap();
+    // One job alone (claimed at a poll), then forty at once (batches of five claimed ahead).
+    client
+        .execute("SELECT durable_jobs.enqueue_durable_job('receive', payload) FROM public.sent WHERE payload->>'n' = '0'", &[])
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the large job", || jobs_in_state(&mut client, "succeeded") == 1);
+    client
+        .execute(
+            "SELECT durable_jobs.enqueue_durable_jobs('receive', ARRAY(SELECT payload FROM public.sent
+                                                                       WHERE payload->>'n' <> '0'))",
+            &[],
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the forty jobs", || jobs_in_state(&mut client, "succeeded") == 41);
+    assert!(
+        count(&mut client, "SELECT count(*) FROM public.sent WHERE pg_column_size(payload) > 100000") == 1,
+        "the large payload takes over 100 kB stored, so the job row holds it out of line"
+    );
+    // The same payloads, each once (jsonb equality: same keys, values and numbers).
+    assert_eq!(
+        count(
+            &mut client,
+            "SELECT count(*) FROM public.sent s JOIN public.received r ON r.payload = s.payload"
+        ),
+        41
+    );
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.received"), 41);
+    assert_eq!(metric(&mut client, "claimed"), 41);
+    assert_eq!(
+        count(
+            &mut client,
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements
+             WHERE query LIKE '%FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[])%'"
+        ),
+        0,
+        "the load statement ran"
+    );
+}
