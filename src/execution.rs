@@ -256,9 +256,12 @@ pub fn run_jobs(
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
+        // The job table is locked first either way, as the load's statement locks it, so that a
+        // DROP or ALTER EXTENSION waits for the batch instead of pulling its table away from
+        // handlers already running; a schema changed since the claim is read again.
         let mut loaded = match claimed_rows {
-            Some(rows) => loaded_from_claim(jobs, rows),
-            None => load_jobs(jobs, worker_id),
+            Some(rows) if crate::privilege::library_version_installed() => loaded_from_claim(jobs, rows),
+            _ => load_jobs(jobs, worker_id),
         };
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
@@ -445,8 +448,8 @@ fn run_job(
         return Outcome::Failed(FailureCode::TargetRejected, None);
     };
     if !routine_still_exists(handler.routine) {
-        // Dropped since the load, perhaps to be created again (a registration keeps the
-        // signature): a retry resolves it anew.
+        // Dropped since the batch resolved it (from its claim or its load), perhaps to be
+        // created again (a registration keeps the signature): a retry resolves it anew.
         return Outcome::Failed(FailureCode::TargetUnavailable, None);
     }
     let outcome = in_subtransaction(|| {
@@ -494,8 +497,8 @@ fn run_job(
 /// still be allowed to run it (`may_run_routine`; fmgr itself checks nothing).
 pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
     unsafe {
-        // Checked again at the call, not only at the batch's load: a grant, the owner, the role
-        // or the routine itself may have changed since. The caller's `routine_still_exists`
+        // Checked again at the call, not only when the batch resolved it: a grant, the owner,
+        // the role or the routine itself may have changed since. The caller's `routine_still_exists`
         // has just taken in other sessions' changes to the catalog caches.
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK

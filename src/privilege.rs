@@ -101,6 +101,12 @@ pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
     }
 }
 
+/// Whether the extension is installed at this library's version (an older schema may lack
+/// what the background worker uses); locks the job table as `installed_row` does.
+pub fn library_version_installed() -> bool {
+    installed_row().is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
+}
+
 /// `installed_row`, as our statements need it; raises when the extension is not installed.
 fn installed() -> Installed {
     let found = installed_row();

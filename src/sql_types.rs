@@ -81,11 +81,17 @@ impl JsonbDatum {
     }
 
     /// The value's bytes, detoasted, to outlive the memory it is in (a transaction's, say).
+    /// Out of memory is an ERROR, as palloc's, not an abort of the process.
     pub fn to_bytes(self) -> Vec<u8> {
         unsafe {
             let value = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr());
             let size = pgrx::varlena::varsize_any(value);
-            std::slice::from_raw_parts(value as *const u8, size).to_vec()
+            let mut bytes = Vec::new();
+            if bytes.try_reserve_exact(size).is_err() {
+                ereport!(ERROR, PgSqlErrorCode::ERRCODE_OUT_OF_MEMORY, "out of memory");
+            }
+            bytes.extend_from_slice(std::slice::from_raw_parts(value as *const u8, size));
+            bytes
         }
     }
 

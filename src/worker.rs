@@ -334,7 +334,19 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
         (lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch), expired)
     });
     let order = jobs.iter().map(|job| (job.enqueued_by.clone(), (job.job_id, job.lease_token))).collect();
-    (Claimed { jobs: order, rows: jobs.into_iter().map(ClaimedRow::of).collect() }, expired > 0)
+    // Rows are kept for the batch that runs first only, and only when it runs in this session:
+    // the first enqueuer's jobs. A batch after it starts once others ran, when the expiry the
+    // claim returned may be out of date (renewals), and a runner reads its jobs itself.
+    let runs_first_here = jobs
+        .first()
+        .map(|job| job.enqueued_by.clone())
+        .filter(|role| BOUND_ROLE.with(|bound| bound.borrow().as_ref().is_none_or(|bound| bound == role)));
+    let rows = jobs
+        .into_iter()
+        .filter(|job| runs_first_here.as_ref() == Some(&job.enqueued_by))
+        .map(ClaimedRow::of)
+        .collect();
+    (Claimed { jobs: order, rows }, expired > 0)
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -360,6 +372,9 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
             "{WORKER_TYPE}: claiming the next batch ahead failed with SQLSTATE {}; rolled back alone",
             error.sqlstate()
         );
+        // Its release can fail after the claim returned (another extension's callback): the
+        // jobs were never ours, and running them from the claim's rows would run others' jobs.
+        return Claimed::default();
     }
     claimed
 }
@@ -459,7 +474,14 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                 let taken = if *role == bound {
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
-                    run_batch(batch, &later, worker_id, lease_seconds, ahead, Some(&rows));
+                    run_batch(
+                        batch,
+                        &later,
+                        worker_id,
+                        lease_seconds,
+                        ahead,
+                        (position == 0).then_some(&rows),
+                    );
                     batch.len()
                 } else {
                     run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds)
@@ -676,6 +698,5 @@ fn prune_finished_jobs() {
 /// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
 /// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
 fn extension_ready() -> bool {
-    with_worker_settings(crate::privilege::installed_row)
-        .is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
+    with_worker_settings(crate::privilege::library_version_installed)
 }
