@@ -14,7 +14,9 @@ use crate::handlers::{may_run_routine, routine_still_exists, runnable_handler, R
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
-use crate::privilege::{as_extension_owner, set_at_this_level, with_worker_settings};
+use crate::privilege::{
+    as_extension_owner, as_owner, installed_at_library_version, set_at_this_level, with_worker_settings,
+};
 use crate::randomness;
 use crate::sql_types::JsonbDatum;
 use pgrx::pg_sys;
@@ -98,6 +100,7 @@ impl RunnableHandlers {
 /// the fenced completion, which then rolls the handler's writes back, as for a lease lost while
 /// the handler runs.
 pub(crate) struct ClaimedRow {
+    lease_token: Uuid,
     payload: Vec<u8>,
     handler: Option<String>,
     enqueued_by: String,
@@ -106,12 +109,10 @@ pub(crate) struct ClaimedRow {
     attempt_count: i32,
 }
 
-/// The claim's rows of a batch, by job id.
-pub(crate) type ClaimedRows = HashMap<i64, ClaimedRow>;
-
 impl ClaimedRow {
     pub(crate) fn of(job: lease::ClaimedJob) -> (i64, ClaimedRow) {
         let row = ClaimedRow {
+            lease_token: job.lease_token,
             payload: job.payload.to_bytes(),
             handler: job.handler,
             enqueued_by: job.enqueued_by,
@@ -123,12 +124,29 @@ impl ClaimedRow {
     }
 }
 
-/// `load_jobs`, from the claim's rows instead of the table.
-fn loaded_from_claim(jobs: &[(i64, Uuid)], rows: &ClaimedRows) -> HashMap<i64, LoadedJob> {
-    let mut runnable = RunnableHandlers::default();
-    jobs.iter()
-        .filter_map(|(job_id, _)| {
-            let row = rows.get(job_id)?;
+/// A claim's rows by job id, and the extension they were claimed from (its pg_extension oid).
+#[derive(Default)]
+pub(crate) struct ClaimedRows {
+    pub(crate) extension: pg_sys::Oid,
+    pub(crate) rows: HashMap<i64, ClaimedRow>,
+}
+
+/// `load_jobs`, from the claim's rows instead of the table, as the extension owner (resolving a
+/// handler needs USAGE on its schema): None unless the extension is the one the rows were
+/// claimed from, at this library's version (the job table locked, as the load's statement
+/// locks it, so that DDL waits for the batch), and the rows hold every job of the batch under
+/// its lease.
+fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows) -> Option<HashMap<i64, LoadedJob>> {
+    let installed = installed_at_library_version().filter(|row| row.extension == claimed.extension)?;
+    let rows: Vec<(i64, &ClaimedRow)> = jobs
+        .iter()
+        .map(|(job_id, lease_token)| {
+            claimed.rows.get(job_id).filter(|row| row.lease_token == *lease_token).map(|row| (*job_id, row))
+        })
+        .collect::<Option<_>>()?;
+    as_owner(installed.owner, || {
+        let mut runnable = RunnableHandlers::default();
+        let loaded = rows.into_iter().map(|(job_id, row)| {
             let job = LoadedJob {
                 payload: JsonbDatum::from_bytes(&row.payload),
                 handler: runnable.of(row.handler.clone(), row.enqueued_by.clone()),
@@ -136,9 +154,10 @@ fn loaded_from_claim(jobs: &[(i64, Uuid)], rows: &ClaimedRows) -> HashMap<i64, L
                 job_kind: row.job_kind.clone(),
                 attempt_count: row.attempt_count,
             };
-            Some((*job_id, job))
-        })
-        .collect()
+            (job_id, job)
+        });
+        Some(loaded.collect())
+    })
 }
 
 /// A timestamp as Unix microseconds (PostgreSQL counts from 2000-01-01).
@@ -256,13 +275,9 @@ pub fn run_jobs(
         let mut tally = Tally::default();
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
-        // The job table is locked first either way, as the load's statement locks it, so that a
-        // DROP or ALTER EXTENSION waits for the batch instead of pulling its table away from
-        // handlers already running; a schema changed since the claim is read again.
-        let mut loaded = match claimed_rows {
-            Some(rows) if crate::privilege::library_version_installed() => loaded_from_claim(jobs, rows),
-            _ => load_jobs(jobs, worker_id),
-        };
+        let mut loaded = claimed_rows
+            .and_then(|rows| loaded_from_claim(jobs, rows))
+            .unwrap_or_else(|| load_jobs(jobs, worker_id));
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {

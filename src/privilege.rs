@@ -56,10 +56,18 @@ pub struct Installed {
     pub has_status_api: bool,
 }
 
-/// The extension's owner and version, read from its pg_extension row on every call, as
-/// `get_extension_oid` reads that row anyway: no cache to go stale after `REASSIGN OWNED` or
-/// `ALTER EXTENSION UPDATE`. None when the extension is not installed in this database.
-pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
+/// The extension's pg_extension row, as `installed_row` reads it.
+pub struct InstalledRow {
+    /// The row's oid: another after DROP and CREATE EXTENSION.
+    pub extension: pg_sys::Oid,
+    pub owner: pg_sys::Oid,
+    pub version: String,
+}
+
+/// The extension's row, read from pg_extension on every call, as `get_extension_oid` reads that
+/// row anyway: no cache to go stale after `REASSIGN OWNED` or `ALTER EXTENSION UPDATE`. None
+/// when the extension is not installed in this database.
+pub fn installed_row() -> Option<InstalledRow> {
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         // The job table first: an ALTER EXTENSION durable_jobs UPDATE in progress holds it, so a
@@ -85,7 +93,7 @@ pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
         let scan = pg_sys::systable_beginscan(catalog, index, true, std::ptr::null_mut(), 1, &mut key);
         let row = pg_sys::systable_getnext(scan);
         let found = (!row.is_null()).then(|| {
-            let owner = (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(row)).extowner;
+            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(row);
             let mut is_null = false;
             let version = pg_sys::heap_getattr(
                 row,
@@ -93,7 +101,11 @@ pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
                 (*catalog).rd_att,
                 &mut is_null,
             );
-            (owner, String::from_datum(version, is_null).unwrap_or_default())
+            InstalledRow {
+                extension: (*form).oid,
+                owner: (*form).extowner,
+                version: String::from_datum(version, is_null).unwrap_or_default(),
+            }
         });
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(catalog, lock);
@@ -101,10 +113,10 @@ pub fn installed_row() -> Option<(pg_sys::Oid, String)> {
     }
 }
 
-/// Whether the extension is installed at this library's version (an older schema may lack
-/// what the background worker uses); locks the job table as `installed_row` does.
-pub fn library_version_installed() -> bool {
-    installed_row().is_some_and(|(_, version)| version == env!("CARGO_PKG_VERSION"))
+/// The extension's row when it is installed at this library's version (an older schema may
+/// lack what the background worker uses); locks the job table as `installed_row` does.
+pub fn installed_at_library_version() -> Option<InstalledRow> {
+    installed_row().filter(|row| row.version == env!("CARGO_PKG_VERSION"))
 }
 
 /// `installed_row`, as our statements need it; raises when the extension is not installed.
@@ -117,8 +129,11 @@ fn installed() -> Installed {
             "extension durable_jobs is not installed in this database"
         );
     }
-    let (owner, version) = found.unwrap();
-    Installed { owner, has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&version.as_str()) }
+    let row = found.unwrap();
+    Installed {
+        owner: row.owner,
+        has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&row.version.as_str()),
+    }
 }
 
 /// Runs `f` as the extension owner. An ERROR inside aborts the (sub)transaction, which restores
@@ -130,16 +145,19 @@ pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
 /// `as_extension_owner`, telling `f` what is installed.
 pub fn as_extension_owner_of<R>(f: impl FnOnce(Installed) -> R) -> R {
     let installed = installed();
+    as_owner(installed.owner, || f(installed))
+}
+
+/// Runs `f` as `owner`, the extension owner an `installed_row` read found; see
+/// `as_extension_owner`.
+pub fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
     let mut saved_user = pg_sys::Oid::INVALID;
     let mut saved_context = 0;
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        pg_sys::SetUserIdAndSecContext(
-            installed.owner,
-            saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
-        );
+        pg_sys::SetUserIdAndSecContext(owner, saved_context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32);
     }
-    let result = f(installed);
+    let result = f();
     unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };
     result
 }

@@ -194,9 +194,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
-                if !extension_ready() {
-                    return None;
-                }
+                extension_ready()?;
                 let held =
                     |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
                 Some((held(&handover.batch), held(&handover.later)))
@@ -320,8 +318,9 @@ struct Claimed {
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 /// Claims up to a batch of jobs for this worker in the current transaction, after ending
-/// exhausted leases when that is due; also tells whether it ended any.
-fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
+/// exhausted leases when that is due; also tells whether it ended any. `extension`: the
+/// extension's pg_extension oid, as `extension_ready` found it.
+fn claim_batch(worker_id: &str, lease_seconds: i32, extension: pg_sys::Oid) -> (Claimed, bool) {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let (jobs, expired) = with_worker_settings(|| {
@@ -346,7 +345,7 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> (Claimed, bool) {
         .filter(|job| runs_first_here.as_ref() == Some(&job.enqueued_by))
         .map(ClaimedRow::of)
         .collect();
-    (Claimed { jobs: order, rows }, expired > 0)
+    (Claimed { jobs: order, rows: ClaimedRows { extension, rows } }, expired > 0)
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -363,8 +362,8 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
     if let Err(error) = execution::in_subtransaction(|| {
         // Asked again here: under a steady load no poll claims on its own, and a schema of
         // another version is left alone (see `extension_ready`).
-        if extension_ready() {
-            claimed = claim_batch(worker_id, lease_seconds).0;
+        if let Some(extension) = extension_ready() {
+            claimed = claim_batch(worker_id, lease_seconds, extension).0;
         }
         true
     }) {
@@ -392,7 +391,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// configured (a failover must not lose it).
 fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
     let claimed = BackgroundWorker::transaction(|| {
-        let (claimed, expired) = extension_ready().then(|| claim_batch(worker_id, lease_seconds))?;
+        let (claimed, expired) = claim_batch(worker_id, lease_seconds, extension_ready()?);
         let without_waiting = !expired && !synchronous_standbys_configured();
         if without_waiting {
             // The transaction's own commit reads it, then it is undone.
@@ -677,7 +676,7 @@ fn prune_finished_jobs() {
     }
     for _ in 0..PRUNE_BATCHES_PER_ROUND {
         let deleted = BackgroundWorker::transaction(|| {
-            if !extension_ready() {
+            if extension_ready().is_none() {
                 return 0;
             }
             let older_than = Interval::from_seconds(f64::from(retention));
@@ -691,12 +690,13 @@ fn prune_finished_jobs() {
     }
 }
 
-/// Whether this database has the extension at the version of this library; an older schema
-/// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
+/// The extension's pg_extension oid when this database has it at the version of this library;
+/// an older schema may lack what the worker uses, so the worker waits for `ALTER EXTENSION
+/// durable_jobs UPDATE`.
 /// Read from the catalog directly, as our statements read the owner: an SPI query here, with
 /// its settings and executor, was a twentieth of the path from enqueue to handler.
 /// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
 /// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
-fn extension_ready() -> bool {
-    with_worker_settings(crate::privilege::library_version_installed)
+fn extension_ready() -> Option<pg_sys::Oid> {
+    with_worker_settings(crate::privilege::installed_at_library_version).map(|row| row.extension)
 }

@@ -561,6 +561,59 @@ fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE who = 'postgres'"), 20);
 }
 
+/// A worker role with no rights of its own runs the handlers of a schema it may not use: the
+/// worker resolves a handler as the extension owner, and runs it as its enqueuer. Failed before
+/// the fix (helper-39's review): a batch run from its claim's rows resolved the handler as the
+/// worker role, so at claim_batch_size 1 every job failed as `target_rejected` (42501), and at 5
+/// every batch failed as a whole before running again job by job.
+#[test]
+fn a_worker_role_without_rights_runs_handlers_of_a_schema_it_may_not_use() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client.batch_execute("CREATE ROLE durable_jobs_worker LOGIN").unwrap();
+    drop(client);
+    cluster.pg_ctl(&["stop", "-m", "fast", "-w"]);
+    cluster.append_conf("durable_jobs.worker_role = 'durable_jobs_worker'");
+    cluster.pg_ctl(&["start", "-w", "-t", "30"]);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE SCHEMA app;
+             CREATE TABLE app.effects (n integer);
+             CREATE FUNCTION app.record(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO app.effects VALUES ((payload->>'n')::integer) $$;
+             SELECT durable_jobs.register_durable_job_handler('record', 'app.record(jsonb)');",
+        )
+        .unwrap();
+    assert!(!client
+        .query_one("SELECT has_schema_privilege('durable_jobs_worker', 'app', 'USAGE')", &[])
+        .unwrap()
+        .get::<_, bool>(0));
+    for (batch, first) in [(1, 1), (5, 11)] {
+        client.batch_execute(&format!("ALTER SYSTEM SET durable_jobs.claim_batch_size = {batch}")).unwrap();
+        client.batch_execute("SELECT pg_reload_conf()").unwrap();
+        // The reload sets the idle worker's latch; it reads the setting before its next claim.
+        std::thread::sleep(Duration::from_secs(1));
+        client
+            .execute(
+                "SELECT durable_jobs.enqueue_durable_jobs('record',
+                     ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series($1::int, $1::int + 9) g))",
+                &[&first],
+            )
+            .unwrap();
+        wait_until(Duration::from_secs(30), "the jobs to finish", || {
+            count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE finished_at IS NOT NULL")
+                == i64::from(first) + 9
+        });
+    }
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'"),
+        20
+    );
+    assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM app.effects"), 20);
+    assert!(!cluster.server_log().contains("failed as a whole"), "a batch failed as a whole");
+}
+
 #[test]
 fn cancelling_an_idle_worker_does_not_restart_it() {
     let cluster = Cluster::start(WORKER_CONF);
