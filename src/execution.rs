@@ -94,11 +94,11 @@ impl RunnableHandlers {
     }
 }
 
-/// A job as the claim of the worker's poll returned it, kept past that claim's commit, so that
-/// the transaction that runs it right after does not read it again: its lease was exactly ours
-/// when the claim committed, a moment before, and a lease lost since (a cancel, say) is found by
-/// the fenced completion, which then rolls the handler's writes back, as for a lease lost while
-/// the handler runs.
+/// A job as a claim of the worker (a poll's, or one ahead) returned it, kept past that claim's
+/// commit, so that the transaction that runs it right after does not read it again: its lease
+/// was exactly ours when the claim committed, a moment before, and a lease lost since (a cancel,
+/// say) is found by the fenced completion, which then rolls the handler's writes back, as for a
+/// lease lost while the handler runs.
 pub(crate) struct ClaimedRow {
     lease_token: Uuid,
     payload: Vec<u8>,

@@ -307,7 +307,8 @@ thread_local! {
 }
 
 /// The claim of a poll: (enqueuer, (job, lease token)) in claim order, and what the claim
-/// returned of each job, to run it without reading it again (`execution::ClaimedRow`).
+/// returned of the jobs of the batch that runs first, to run them without reading them again
+/// (`execution::ClaimedRow`; see `claim_batch`).
 #[derive(Default)]
 struct Claimed {
     jobs: Vec<(String, (i64, Uuid))>,
