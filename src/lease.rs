@@ -8,7 +8,9 @@
 use crate::arguments;
 use crate::failure::FailureCode;
 use crate::plans;
-use crate::privilege::{as_extension_owner, as_extension_owner_of, caller};
+use crate::privilege::{
+    as_extension_owner, as_extension_owner_found, as_extension_owner_of, caller, Installed, InstalledRow,
+};
 use crate::randomness;
 use crate::settings;
 use crate::sql_types::JsonbDatum;
@@ -523,77 +525,103 @@ pub fn claim_jobs(
     limit: i32,
 ) -> Vec<ClaimedJob> {
     as_extension_owner_of(|installed| {
-        Spi::connect_mut(|client| {
-            let names = |names: Option<&[String]>| -> DatumWithOid {
-                match names {
-                    Some(names) => names.to_vec().into(),
-                    None => DatumWithOid::null::<Vec<String>>(),
-                }
-            };
-            let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
-                let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
-                let args = [
-                    names(queue_names),
-                    worker_id.into(),
-                    f64::from(lease_seconds).into(),
-                    handlers_only.into(),
-                    names(job_kinds),
-                    lease_tokens.into(),
-                ];
-                let statement = match (handlers_only, installed.has_status_api) {
-                    (true, _) => CLAIM_FOR_WORKER,
-                    (false, true) => CLAIM,
-                    (false, false) => CLAIM_ON_OLD_SCHEMA,
-                };
-                let mut expired = Vec::new();
-                let claimed: Vec<ClaimedJob> =
-                    plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
-                        .filter(|row| {
-                            let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
-                            if !is_claimed {
-                                expired.push(row.get::<i64>(1).unwrap().unwrap());
-                            }
-                            is_claimed
-                        })
-                        .map(|row| ClaimedJob {
-                            job_id: row.get(1).unwrap().unwrap(),
-                            lease_token: row.get(2).unwrap().unwrap(),
-                            lease_expires_at: row.get(3).unwrap().unwrap(),
-                            job_kind: row.get(4).unwrap().unwrap(),
-                            payload: row.get(5).unwrap().unwrap(),
-                            attempt_count: row.get(6).unwrap().unwrap(),
-                            max_attempts: row.get(7).unwrap().unwrap(),
-                            enqueued_by: row.get(8).unwrap().unwrap(),
-                            handler: if handlers_only { row.get(9).unwrap() } else { None },
-                        })
-                        .collect();
-                waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);
-                waiters::wake_waiters_at_commit(expired, Change::Terminal);
-                claimed
-            };
-            // A statement does not see its own claims when it checks a queue's concurrency
-            // limit, so with limits in force a batch is claimed one job per statement.
-            let mut claimed = Vec::new();
-            if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
-                claimed = claim(client, limit);
-                // A limit set between the check and the claim (the claim's snapshot is later):
-                // all but the first job go back, and the batch is claimed one by one.
-                if claimed.len() < 2 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
-                    return claimed;
-                }
-                let extra: Vec<(i64, Uuid)> =
-                    claimed.drain(1..).map(|job| (job.job_id, job.lease_token)).collect();
-                release_unstarted(&extra, worker_id);
+        claim_as_owner(installed, worker_id, queue_names, job_kinds, lease_seconds, handlers_only, limit)
+    })
+}
+
+/// The background worker's claim (`claim_jobs` with `handlers_only`), once it has read the
+/// extension's row in this transaction (its version check).
+pub fn claim_jobs_for_worker(
+    found: &InstalledRow,
+    worker_id: &str,
+    lease_seconds: i32,
+    limit: i32,
+) -> Vec<ClaimedJob> {
+    as_extension_owner_found(found, |installed| {
+        claim_as_owner(installed, worker_id, None, None, lease_seconds, true, limit)
+    })
+}
+
+/// `claim_jobs`, as the extension owner.
+fn claim_as_owner(
+    installed: Installed,
+    worker_id: &str,
+    queue_names: Option<&[String]>,
+    job_kinds: Option<&[String]>,
+    lease_seconds: i32,
+    handlers_only: bool,
+    limit: i32,
+) -> Vec<ClaimedJob> {
+    Spi::connect_mut(|client| {
+        let names = |names: Option<&[String]>| -> DatumWithOid {
+            match names {
+                Some(names) => names.to_vec().into(),
+                None => DatumWithOid::null::<Vec<String>>(),
             }
-            while claimed.len() < limit as usize {
-                let one = claim(client, 1);
-                if one.is_empty() {
-                    break;
-                }
-                claimed.extend(one);
-            }
+        };
+        let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
+            let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
+            let args = [
+                names(queue_names),
+                worker_id.into(),
+                f64::from(lease_seconds).into(),
+                handlers_only.into(),
+                names(job_kinds),
+                lease_tokens.into(),
+            ];
+            let statement = match (handlers_only, installed.has_status_api) {
+                (true, _) => CLAIM_FOR_WORKER,
+                (false, true) => CLAIM,
+                (false, false) => CLAIM_ON_OLD_SCHEMA,
+            };
+            let mut expired = Vec::new();
+            let claimed: Vec<ClaimedJob> =
+                plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
+                    .filter(|row| {
+                        let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
+                        if !is_claimed {
+                            expired.push(row.get::<i64>(1).unwrap().unwrap());
+                        }
+                        is_claimed
+                    })
+                    .map(|row| ClaimedJob {
+                        job_id: row.get(1).unwrap().unwrap(),
+                        lease_token: row.get(2).unwrap().unwrap(),
+                        lease_expires_at: row.get(3).unwrap().unwrap(),
+                        job_kind: row.get(4).unwrap().unwrap(),
+                        payload: row.get(5).unwrap().unwrap(),
+                        attempt_count: row.get(6).unwrap().unwrap(),
+                        max_attempts: row.get(7).unwrap().unwrap(),
+                        enqueued_by: row.get(8).unwrap().unwrap(),
+                        handler: if handlers_only { row.get(9).unwrap() } else { None },
+                    })
+                    .collect();
+            waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);
+            waiters::wake_waiters_at_commit(expired, Change::Terminal);
             claimed
-        })
+        };
+        // A statement does not see its own claims when it checks a queue's concurrency
+        // limit, so with limits in force a batch is claimed one job per statement.
+        let mut claimed = Vec::new();
+        if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+            claimed = claim(client, limit);
+            // A limit set between the check and the claim (the claim's snapshot is later):
+            // all but the first job go back, and the batch is claimed one by one.
+            if claimed.len() < 2 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+                return claimed;
+            }
+            let extra: Vec<(i64, Uuid)> =
+                claimed.drain(1..).map(|job| (job.job_id, job.lease_token)).collect();
+            release_unstarted(&extra, worker_id);
+        }
+        while claimed.len() < limit as usize {
+            let one = claim(client, 1);
+            if one.is_empty() {
+                break;
+            }
+            claimed.extend(one);
+        }
+        claimed
     })
 }
 

@@ -129,10 +129,15 @@ fn installed() -> Installed {
             "extension durable_jobs is not installed in this database"
         );
     }
-    let row = found.unwrap();
-    Installed {
-        owner: row.owner,
-        has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&row.version.as_str()),
+    Installed::from(&found.unwrap())
+}
+
+impl From<&InstalledRow> for Installed {
+    fn from(row: &InstalledRow) -> Installed {
+        Installed {
+            owner: row.owner,
+            has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&row.version.as_str()),
+        }
     }
 }
 
@@ -145,6 +150,13 @@ pub fn as_extension_owner<R>(f: impl FnOnce() -> R) -> R {
 /// `as_extension_owner`, telling `f` what is installed.
 pub fn as_extension_owner_of<R>(f: impl FnOnce(Installed) -> R) -> R {
     let installed = installed();
+    as_owner(installed.owner, || f(installed))
+}
+
+/// `as_extension_owner_of`, with the extension's row `installed_row` read earlier in the same
+/// transaction (whose lock on the job table keeps it current).
+pub fn as_extension_owner_found<R>(row: &InstalledRow, f: impl FnOnce(Installed) -> R) -> R {
+    let installed = Installed::from(row);
     as_owner(installed.owner, || f(installed))
 }
 

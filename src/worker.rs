@@ -194,7 +194,9 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
-                extension_ready()?;
+                if !extension_ready() {
+                    return None;
+                }
                 let held =
                     |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
                 Some((held(&handover.batch), held(&handover.later)))
@@ -319,20 +321,26 @@ struct Claimed {
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 /// Claims up to a batch of jobs for this worker in the current transaction, after ending
-/// exhausted leases when that is due; also tells whether it ended any. `extension`: the
-/// extension's pg_extension oid, as `extension_ready` found it.
-fn claim_batch(worker_id: &str, lease_seconds: i32, extension: pg_sys::Oid) -> (Claimed, bool) {
+/// exhausted leases when that is due; also tells whether it ended any. None, claiming nothing,
+/// unless the extension is at this library's version (`extension_ready`'s check, whose read of
+/// the extension's row the claim then uses: one read, under one change of settings).
+fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
-    let (jobs, expired) = with_worker_settings(|| {
+    let (extension, jobs, expired) = with_worker_settings(|| {
+        let found = crate::privilege::installed_at_library_version()?;
         let expired = if expiry_due { lease::expire_exhausted_leases() } else { 0 };
         // Due again at the next poll while a call finds a full batch of them (after a crash);
         // otherwise counted from here even if the transaction fails: retried a second later.
         if expiry_due && expired < lease::EXPIRE_BATCH {
             LAST_EXPIRY.with(|last| last.set(Some(Instant::now())));
         }
-        (lease::claim_jobs(worker_id, None, None, lease_seconds, true, batch), expired)
-    });
+        Some((
+            found.extension,
+            lease::claim_jobs_for_worker(&found, worker_id, lease_seconds, batch),
+            expired,
+        ))
+    })?;
     let order = jobs.iter().map(|job| (job.enqueued_by.clone(), (job.job_id, job.lease_token))).collect();
     // Rows are kept for the batch that runs first only, and only when it runs in this session:
     // the first enqueuer's jobs. A batch after it starts once others ran, when the expiry the
@@ -346,7 +354,7 @@ fn claim_batch(worker_id: &str, lease_seconds: i32, extension: pg_sys::Oid) -> (
         .filter(|job| runs_first_here.as_ref() == Some(&job.enqueued_by))
         .map(ClaimedRow::of)
         .collect();
-    (Claimed { jobs: order, rows: ClaimedRows { extension, rows } }, expired > 0)
+    Some((Claimed { jobs: order, rows: ClaimedRows { extension, rows } }, expired > 0))
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -361,10 +369,10 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
         return claimed;
     }
     if let Err(error) = execution::in_subtransaction(|| {
-        // Asked again here: under a steady load no poll claims on its own, and a schema of
-        // another version is left alone (see `extension_ready`).
-        if let Some(extension) = extension_ready() {
-            claimed = claim_batch(worker_id, lease_seconds, extension).0;
+        // The version is asked again here: under a steady load no poll claims on its own, and a
+        // schema of another version is left alone (see `extension_ready`).
+        if let Some((ahead, _)) = claim_batch(worker_id, lease_seconds) {
+            claimed = ahead;
         }
         true
     }) {
@@ -392,7 +400,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
 /// configured (a failover must not lose it).
 fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
     let claimed = BackgroundWorker::transaction(|| {
-        let (claimed, expired) = claim_batch(worker_id, lease_seconds, extension_ready()?);
+        let (claimed, expired) = claim_batch(worker_id, lease_seconds)?;
         let without_waiting = !expired && !synchronous_standbys_configured();
         if without_waiting {
             // The transaction's own commit reads it, then it is undone.
@@ -677,7 +685,7 @@ fn prune_finished_jobs() {
     }
     for _ in 0..PRUNE_BATCHES_PER_ROUND {
         let deleted = BackgroundWorker::transaction(|| {
-            if extension_ready().is_none() {
+            if !extension_ready() {
                 return 0;
             }
             let older_than = Interval::from_seconds(f64::from(retention));
@@ -691,13 +699,12 @@ fn prune_finished_jobs() {
     }
 }
 
-/// The extension's pg_extension oid when this database has it at the version of this library;
-/// an older schema may lack what the worker uses, so the worker waits for `ALTER EXTENSION
-/// durable_jobs UPDATE`.
+/// Whether this database has the extension at the version of this library; an older schema
+/// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
 /// Read from the catalog directly, as our statements read the owner: an SPI query here, with
 /// its settings and executor, was a twentieth of the path from enqueue to handler.
 /// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
 /// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
-fn extension_ready() -> Option<pg_sys::Oid> {
-    with_worker_settings(crate::privilege::installed_at_library_version).map(|row| row.extension)
+fn extension_ready() -> bool {
+    with_worker_settings(crate::privilege::installed_at_library_version).is_some()
 }
