@@ -525,17 +525,23 @@ fn every_job_of_a_batch_gets_a_whole_lease() {
     assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 5);
 }
 
-#[test]
-fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
+/// A cluster whose worker runs as `durable_jobs_worker`, a login role with no rights of its own,
+/// with `extra_conf` too.
+fn cluster_with_unprivileged_worker(extra_conf: &str) -> (Cluster, Client) {
     let cluster = Cluster::start(WORKER_CONF);
     let mut client = cluster.connect();
     client.batch_execute("CREATE ROLE durable_jobs_worker LOGIN").unwrap();
     drop(client);
     cluster.pg_ctl(&["stop", "-m", "fast", "-w"]);
-    cluster
-        .append_conf("durable_jobs.worker_role = 'durable_jobs_worker'\ndurable_jobs.retention_period = 1");
+    cluster.append_conf(&format!("durable_jobs.worker_role = 'durable_jobs_worker'\n{extra_conf}"));
     cluster.pg_ctl(&["start", "-w", "-t", "30"]);
-    let mut client = cluster.connect();
+    let client = cluster.connect();
+    (cluster, client)
+}
+
+#[test]
+fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
+    let (cluster, mut client) = cluster_with_unprivileged_worker("durable_jobs.retention_period = 1");
     client
         .batch_execute(
             "CREATE TABLE public.effects (n integer, who name);
@@ -568,14 +574,7 @@ fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
 /// every batch failed as a whole before running again job by job.
 #[test]
 fn a_worker_role_without_rights_runs_handlers_of_a_schema_it_may_not_use() {
-    let cluster = Cluster::start(WORKER_CONF);
-    let mut client = cluster.connect();
-    client.batch_execute("CREATE ROLE durable_jobs_worker LOGIN").unwrap();
-    drop(client);
-    cluster.pg_ctl(&["stop", "-m", "fast", "-w"]);
-    cluster.append_conf("durable_jobs.worker_role = 'durable_jobs_worker'");
-    cluster.pg_ctl(&["start", "-w", "-t", "30"]);
-    let mut client = cluster.connect();
+    let (cluster, mut client) = cluster_with_unprivileged_worker("");
     client
         .batch_execute(
             "CREATE SCHEMA app;
