@@ -70,9 +70,10 @@ pub struct InstalledRow {
 pub fn installed_row() -> Option<InstalledRow> {
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        // The job table first: an ALTER EXTENSION durable_jobs UPDATE in progress holds it, so a
-        // call that crosses one reads the version it left (the lock processes its invalidations),
-        // not the one before, and runs the statements of the schema it will meet.
+        // The job table first: an ALTER EXTENSION durable_jobs UPDATE in progress that alters the
+        // table holds it, so a call that crosses one reads the version it left (the lock
+        // processes its invalidations), not the one before, and runs the statements of the
+        // schema it will meet.
         let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), true);
         if schema != pg_sys::Oid::INVALID {
             let table = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
@@ -154,7 +155,9 @@ pub fn as_extension_owner_of<R>(f: impl FnOnce(Installed) -> R) -> R {
 }
 
 /// `as_extension_owner_of`, with the extension's row `installed_row` read earlier in the same
-/// transaction (whose lock on the job table keeps it current).
+/// transaction. Its lock on the job table holds off what changes the table (DROP EXTENSION, an
+/// update that alters the table, REASSIGN OWNED of the table); an update that replaces only
+/// functions can still commit in between, as between any two reads.
 pub fn as_extension_owner_found<R>(row: &InstalledRow, f: impl FnOnce(Installed) -> R) -> R {
     let installed = Installed::from(row);
     as_owner(installed.owner, || f(installed))
