@@ -8,9 +8,7 @@
 use crate::arguments;
 use crate::failure::FailureCode;
 use crate::plans;
-use crate::privilege::{
-    as_extension_owner, as_extension_owner_found, as_extension_owner_of, caller, Installed, InstalledRow,
-};
+use crate::privilege::{as_extension_owner, as_extension_owner_of, caller, Installed};
 use crate::randomness;
 use crate::settings;
 use crate::sql_types::JsonbDatum;
@@ -514,36 +512,11 @@ pub fn expire_exhausted_leases() -> usize {
 }
 
 /// The claim shared by the SQL API and the background worker, which passes `handlers_only` to
-/// take only kinds with a registered handler, and may take up to `limit` jobs at once.
-/// Arguments are already validated.
+/// take only kinds with a registered handler, and may take up to `limit` jobs at once. Run as
+/// the extension owner `installed` names (`as_extension_owner_of`, or the worker's
+/// `as_extension_owner_found` with the row its version check read). Arguments are already
+/// validated.
 pub fn claim_jobs(
-    worker_id: &str,
-    queue_names: Option<&[String]>,
-    job_kinds: Option<&[String]>,
-    lease_seconds: i32,
-    handlers_only: bool,
-    limit: i32,
-) -> Vec<ClaimedJob> {
-    as_extension_owner_of(|installed| {
-        claim_as_owner(installed, worker_id, queue_names, job_kinds, lease_seconds, handlers_only, limit)
-    })
-}
-
-/// The background worker's claim (`claim_jobs` with `handlers_only`), once it has read the
-/// extension's row in this transaction (its version check).
-pub fn claim_jobs_for_worker(
-    found: &InstalledRow,
-    worker_id: &str,
-    lease_seconds: i32,
-    limit: i32,
-) -> Vec<ClaimedJob> {
-    as_extension_owner_found(found, |installed| {
-        claim_as_owner(installed, worker_id, None, None, lease_seconds, true, limit)
-    })
-}
-
-/// `claim_jobs`, as the extension owner.
-fn claim_as_owner(
     installed: Installed,
     worker_id: &str,
     queue_names: Option<&[String]>,
@@ -793,8 +766,17 @@ fn claim_for_caller(
     let worker_id = arguments::name(worker_id, "worker_id");
     let queue_names = arguments::queue_names(queue_names);
     let lease_seconds = arguments::lease_seconds(lease_seconds);
-    let claimed =
-        claim_jobs(&worker_id, queue_names.as_deref(), job_kinds.as_deref(), lease_seconds, false, 1);
+    let claimed = as_extension_owner_of(|installed| {
+        claim_jobs(
+            installed,
+            &worker_id,
+            queue_names.as_deref(),
+            job_kinds.as_deref(),
+            lease_seconds,
+            false,
+            1,
+        )
+    });
     TableIterator::new(claimed.into_iter().map(|job| {
         (
             job.job_id,

@@ -14,7 +14,9 @@ use crate::execution::{self, ClaimedRow, ClaimedRows, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
-use crate::privilege::{as_extension_owner_of, set_for_this_transaction, with_worker_settings};
+use crate::privilege::{
+    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings,
+};
 use crate::retention;
 use crate::runner;
 use crate::settings;
@@ -337,7 +339,9 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
         }
         Some((
             found.extension,
-            lease::claim_jobs_for_worker(&found, worker_id, lease_seconds, batch),
+            as_extension_owner_found(&found, |installed| {
+                lease::claim_jobs(installed, worker_id, None, None, lease_seconds, true, batch)
+            }),
             expired,
         ))
     })?;

@@ -541,7 +541,7 @@ fn cluster_with_unprivileged_worker(extra_conf: &str) -> (Cluster, Client) {
 
 #[test]
 fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
-    let (cluster, mut client) = cluster_with_unprivileged_worker("durable_jobs.retention_period = 1");
+    let (_cluster, mut client) = cluster_with_unprivileged_worker("durable_jobs.retention_period = 1");
     client
         .batch_execute(
             "CREATE TABLE public.effects (n integer, who name);

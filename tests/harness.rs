@@ -270,6 +270,13 @@ pub fn count(client: &mut Client, query: &str) -> i64 {
     client.query_one(query, &[]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
 }
 
+/// How many background workers wait on `wait_event` (pg_stat_activity).
+pub fn workers_waiting_on(client: &mut Client, wait_event: &str) -> i64 {
+    let query = "SELECT count(*) FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND wait_event = $1";
+    client.query_one(query, &[&wait_event]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
+}
+
 /// (job_state, last_failure_code, attempt_count) of the one job `selector`, an SQL condition,
 /// picks out.
 pub fn job_outcome(client: &mut Client, selector: &str) -> (String, Option<String>, i32) {

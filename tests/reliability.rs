@@ -5,7 +5,7 @@
 //!
 //! All traffic is to a cluster on 127.0.0.1 that the test starts; every loop is bounded.
 
-use harness::{count, wait_until, Cluster, WORKER_CONF};
+use harness::{count, wait_until, workers_waiting_on, Cluster, WORKER_CONF};
 use postgres::Client;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -454,11 +454,7 @@ fn a_batch_rolled_back_after_a_success_counts_none_of_it() {
         )
         .unwrap();
     wait_until(Duration::from_secs(30), "the second job's handler waiting on the lock", || {
-        count(
-            &mut client,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
-        ) == 1
+        workers_waiting_on(&mut client, "advisory") == 1
     });
     // The first job succeeded in its subtransaction; nothing of the batch has committed.
     assert_eq!(

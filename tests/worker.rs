@@ -2,7 +2,7 @@
 //! switching it on, draining, failure classification and retries, crash recovery, and running
 //! handlers with the enqueuing role's rights.
 
-use harness::{count, job_outcome, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
+use harness::{count, job_outcome, metric, sqlstate, wait_until, workers_waiting_on, Cluster, WORKER_CONF};
 use postgres::Client;
 use std::time::Duration;
 
@@ -153,10 +153,7 @@ fn a_switched_off_worker_is_not_woken_by_enqueues() {
     wait_for_worker_activity(&mut client, CLAIMING);
     // Asleep for its 60 s poll interval now: only the enqueue's wake-up runs the job in time.
     wait_until(Duration::from_secs(10), "the worker to sleep", || {
-        count(
-            &mut client,
-            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'Extension'",
-        ) == 1
+        workers_waiting_on(&mut client, "Extension") == 1
     });
     enqueue_many(&mut client, "record", 1);
     wait_until(Duration::from_secs(20), "the job to run", || jobs_in_state(&mut client, "succeeded") == 1);
@@ -464,11 +461,7 @@ fn with_synchronous_standbys_the_claim_waits_for_them() {
     client.batch_execute(EFFECTS).unwrap();
     enqueue_many(&mut client, "record", 1);
     wait_until(Duration::from_secs(20), "the worker's claim to wait for a standby", || {
-        count(
-            &mut client,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'SyncRep'",
-        ) == 1
+        workers_waiting_on(&mut client, "SyncRep") == 1
     });
     // Not visible before the standby confirms it; a claim committed without waiting would show
     // the job running, its run transaction waiting instead.
@@ -707,13 +700,7 @@ fn sigterm_stops_a_worker_promptly_even_inside_a_long_handler() {
              SELECT durable_jobs.enqueue_durable_job('nap', '{}');",
         )
         .unwrap();
-    let napping = |client: &mut Client| {
-        count(
-            client,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'",
-        )
-    };
+    let napping = |client: &mut Client| workers_waiting_on(client, "PgSleep");
     wait_until(Duration::from_secs(20), "the handler to start", || napping(&mut client) == 1);
     let old_pid = cluster.worker_pids(&mut client)[0];
 
@@ -795,7 +782,7 @@ fn a_slow_write_running(cluster: &Cluster) -> (Client, i64) {
     let job_id: i64 =
         client.query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[]).unwrap().get(0);
     wait_until(Duration::from_secs(20), "the handler to start", || {
-        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'") == 1
+        workers_waiting_on(&mut client, "PgSleep") == 1
     });
     (client, job_id)
 }
@@ -948,13 +935,17 @@ fn a_handler_waits_for_a_lock_under_the_sessions_lock_timeout_not_the_workers() 
         .query_one("SELECT durable_jobs.enqueue_durable_job('wait_for_lock', '{}')", &[])
         .unwrap()
         .get(0);
-    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'";
     wait_until(Duration::from_secs(20), "the handler to wait for the lock", || {
-        count(&mut client, waiting) == 1
+        workers_waiting_on(&mut client, "advisory") == 1
     });
     // The pause is the point: longer than the worker's lock timeout.
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(count(&mut client, waiting), 1, "the handler still waits: {}", cluster.server_log());
+    assert_eq!(
+        workers_waiting_on(&mut client, "advisory"),
+        1,
+        "the handler still waits: {}",
+        cluster.server_log()
+    );
     client.execute("SELECT pg_advisory_unlock(4244)", &[]).unwrap();
     wait_until(Duration::from_secs(20), "the job to succeed", || {
         jobs_in_state(&mut client, "succeeded") == 1
@@ -1431,11 +1422,7 @@ fn a_claim_ahead_takes_the_jobs_enqueued_while_its_batch_ran() {
 fn wait_for_a_handler_waiting_on_an_advisory_lock(cluster: &Cluster) {
     let mut watcher = cluster.connect();
     wait_until(Duration::from_secs(30), "a handler waiting on an advisory lock", || {
-        count(
-            &mut watcher,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs worker' AND wait_event = 'advisory'",
-        ) == 1
+        workers_waiting_on(&mut watcher, "advisory") == 1
     });
 }
 
