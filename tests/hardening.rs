@@ -1574,3 +1574,47 @@ fn a_job_whose_subtransaction_cannot_be_released_takes_neither_the_worker_nor_it
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects"), 2);
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.remote_rows"), 0);
 }
+
+#[test]
+fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
+    // One claim holds app_b's slow job, which a role runner runs while the worker waits, and
+    // app_a's job after it, which the worker (bound to app_a) runs itself once the runner is
+    // done. Query cancels sent to the worker meanwhile mean nothing to it; before, one that came
+    // during the wait aborted the poll, and app_a's job waited for its lease to lapse (60 s).
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    admin.batch_execute(NOTE_HANDLER).unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION public.slow_note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep(3); INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('slow_note', 'public.slow_note(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    enqueue(&mut app_b, "slow_note");
+    let last = enqueue(&mut app_a, "note");
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "the role runner to start the slow job", || {
+        count(
+            &mut admin,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE backend_type = 'durable_jobs role runner' AND wait_event = 'PgSleep'",
+        ) == 1
+    });
+    let worker = cluster.worker_pids(&mut admin)[0];
+    for _ in 0..5 {
+        admin.execute("SELECT pg_cancel_backend($1)", &[&worker]).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    wait_until(Duration::from_secs(20), "app_a's last job to run", || finished(&mut admin) == 3);
+    let (state, code, attempts) = job_outcome(&mut admin, &format!("job_id = {last}"));
+    assert_eq!((state.as_str(), code, attempts), ("succeeded", None, 1));
+    assert_eq!(outcome_by(&mut admin, "slow_note", "app_b"), ("succeeded".to_owned(), None));
+    assert_eq!(cluster.worker_pids(&mut admin), vec![worker], "the worker was restarted");
+    assert!(!cluster.server_log().contains("57014"), "a cancel reached the worker's poll");
+}
