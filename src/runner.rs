@@ -17,7 +17,7 @@
 //! runner left over from a worker that restarted, or bound to another role, ends instead.
 
 use crate::settings::WORKER_COUNT_LIMIT;
-use crate::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch, sleep_on_latch_past_cancels};
+use crate::wakeup::{my_procno_plus_one, past_cancels, set_latch_of, sleep_on_latch};
 use pgrx::bgworkers::{
     BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
 };
@@ -155,7 +155,8 @@ pub fn retire_runner(number: i32) {
             handoff.retire_pid.store(pid, Ordering::SeqCst);
             set_latch_of(handoff.runner_procno.load(Ordering::Acquire));
         }
-        let _ = runner.wait_for_shutdown();
+        // Before a hand-over: a cancel here would strand the whole claim, as in the waits below.
+        let _ = past_cancels(|| runner.wait_for_shutdown());
     }
 }
 
@@ -178,7 +179,7 @@ pub fn run_in_runner(
     let handoff = handoff_of(number);
     if let Some(wait) = START_BACKOFF.with(|backoff| backoff.borrow().wait()) {
         // Runners kept ending at start lately: not again before the back-off is over.
-        sleep_on_latch_past_cancels(wait.min(Duration::from_millis(100)));
+        past_cancels(|| sleep_on_latch(wait.min(Duration::from_millis(100))));
         return Err(NotRun::NoSlot);
     }
     // Decided before the hand-over is published, so that no runner of another role is still
@@ -249,7 +250,7 @@ pub fn run_in_runner(
             renewal.done();
         }
         // A query cancel means nothing to the worker; a terminate still ends it here.
-        sleep_on_latch_past_cancels(Duration::from_millis(50));
+        past_cancels(|| sleep_on_latch(Duration::from_millis(50)));
     }
 }
 

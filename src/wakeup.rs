@@ -94,25 +94,8 @@ pub fn set_latch_of(procno_plus_one: i32) {
 /// sleeps, misses no change whose setter set the latch after making it visible. Returns
 /// whether the latch was set (false: the time ran out).
 pub fn sleep_on_latch(timeout: std::time::Duration) -> bool {
-    sleep_on_latch_with(timeout, false)
-}
-
-/// `sleep_on_latch` that drops query cancels, before and during the sleep: for a worker waiting
-/// on its role runner, to which a cancel means nothing (it would abort the poll and strand the
-/// claim's later batches until their leases lapse). A terminate still ends the sleep.
-pub fn sleep_on_latch_past_cancels(timeout: std::time::Duration) -> bool {
-    sleep_on_latch_with(timeout, true)
-}
-
-fn sleep_on_latch_with(timeout: std::time::Duration, drop_cancels: bool) -> bool {
-    let drop_cancel = || {
-        if drop_cancels {
-            unsafe { (&raw mut pg_sys::QueryCancelPending).write_volatile(0) };
-        }
-    };
     // Interrupts first, as PostgreSQL's own wait loops do: a cancel that came while interrupts
     // were held, and whose latch a lock wait since reset, would otherwise wait out the timeout.
-    drop_cancel();
     pg_sys::check_for_interrupts!();
     let events = unsafe {
         let events = pg_sys::WaitLatch(
@@ -124,9 +107,24 @@ fn sleep_on_latch_with(timeout: std::time::Duration, drop_cancels: bool) -> bool
         pg_sys::ResetLatch(pg_sys::MyLatch);
         events
     };
-    drop_cancel();
     pg_sys::check_for_interrupts!();
     events & pg_sys::WL_LATCH_SET as i32 != 0
+}
+
+/// Runs `wait` with query cancels held off (a terminate still ends it), then drops any cancel
+/// that came meanwhile: for a worker waiting on its role runner, to which a cancel means nothing
+/// (it would abort the poll and strand the claim's later batches until their leases lapse).
+/// Only around waits that arm no timeout: `lock_timeout` and `statement_timeout` raise through
+/// the same flag, and a held one would never fire.
+pub fn past_cancels<R>(wait: impl FnOnce() -> R) -> R {
+    unsafe {
+        let held = pg_sys::QueryCancelHoldoffCount;
+        pg_sys::QueryCancelHoldoffCount = held + 1;
+        let result = wait();
+        (&raw mut pg_sys::QueryCancelPending).write_volatile(0);
+        pg_sys::QueryCancelHoldoffCount = held;
+        result
+    }
 }
 
 fn wake_workers() {

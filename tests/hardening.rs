@@ -1587,7 +1587,7 @@ fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
     admin
         .batch_execute(
             "CREATE FUNCTION public.slow_note(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_sleep(3); INSERT INTO public.effects VALUES (current_user) $$;
+                 AS $$ SELECT pg_sleep(4); INSERT INTO public.effects VALUES (current_user) $$;
              SELECT durable_jobs.register_durable_job_handler('slow_note', 'public.slow_note(jsonb)');",
         )
         .unwrap();
