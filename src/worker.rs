@@ -63,6 +63,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let worker_id = format!("durable_jobs-worker-{number}");
     let mut last_prune = Instant::now();
     let mut reported_enabled = None;
+    let mut last_poll_found_job = false;
     loop {
         // Pruning waits for a poll that claims nothing ahead, so that it never delays jobs
         // whose leases already run.
@@ -85,9 +86,14 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
                 wakeup::set_worker_wakeable(number, enabled);
             }
             report_whether_enabled(enabled, &mut reported_enabled);
-            enabled && poll_once(number, &worker_id, !prune_due)
+            // At claim_batch_size 1 any job fills a claim: after a poll that found nothing, one
+            // job most likely came alone, and a claim ahead would only find nothing, once more
+            // before the poll after it, and delay the job's commit.
+            let may_claim_ahead = !prune_due && (last_poll_found_job || settings::CLAIM_BATCH_SIZE.get() > 1);
+            enabled && poll_once(number, &worker_id, may_claim_ahead)
         })
         .unwrap_or(false);
+        last_poll_found_job = found_job;
         let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().jobs.is_empty());
         // Retention does not depend on whether jobs run: pruning goes on with the worker off.
         if prune_due && !claimed_ahead {

@@ -1459,7 +1459,9 @@ fn replanned_statements(client: &mut Client) -> Vec<String> {
              FROM pg_stat_statements WHERE calls >= 20 AND plans * 2 > calls
                AND query NOT LIKE ALL (ARRAY['SELECT count(*) FROM durable_jobs.durable_job WHERE job_state%',
                                              'SELECT metric_value FROM durable_jobs.durable_job_metrics()%',
-                                             'SELECT durable_jobs.enqueue_durable_job(%'])",
+                                             'SELECT durable_jobs.enqueue_durable_job(%',
+                                             -- The handler's SQL body: PostgreSQL plans it per call.
+                                             'INSERT INTO public.effects (n) VALUES%'])",
             &[],
         )
         .unwrap()
@@ -1468,33 +1470,32 @@ fn replanned_statements(client: &mut Client) -> Vec<String> {
         .collect()
 }
 
-/// Enqueues `n` jobs of `kind` one at a time, each once the worker has run the one before and
-/// looked at the empty queue after it.
-fn run_one_at_a_time(client: &mut Client, kind: &str, n: i64) {
+/// Enqueues `n` jobs of `kind`, `at_once` in one statement at a time, each time waiting until
+/// they have run and the worker has looked at the then empty queue: it is asleep when the next
+/// come.
+fn run_few_at_a_time(client: &mut Client, kind: &str, n: i64, at_once: i64) {
     let (succeeded, idle_polls) = (jobs_in_state(client, "succeeded"), metric(client, "idle_polls"));
-    for i in 1..=n {
+    for (round, first) in (1..=n).step_by(at_once as usize).enumerate() {
+        let last = (first + at_once - 1).min(n);
         client
             .execute(
-                "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('n', $2::bigint))",
-                &[&kind, &i],
+                "SELECT durable_jobs.enqueue_durable_job($1, jsonb_build_object('n', g))
+                 FROM generate_series($2::bigint, $3::bigint) g",
+                &[&kind, &first, &last],
             )
             .unwrap();
-        wait_until(Duration::from_secs(30), "the job", || {
-            jobs_in_state(client, "succeeded") == succeeded + i
+        wait_until(Duration::from_secs(30), "the jobs", || {
+            jobs_in_state(client, "succeeded") == succeeded + last
         });
-        // Its look at the then empty queue: the worker is asleep when the next job comes.
         wait_until(Duration::from_secs(30), "the worker's look at the empty queue", || {
-            metric(client, "idle_polls") >= idle_polls + i
+            metric(client, "idle_polls") > idle_polls + round as i64
         });
     }
 }
 
-/// Jobs that find the worker asleep, one at a time: its statements keep their plans too. The
-/// look at the extension's version ran under two search_paths in turn (the poll's and the claim
-/// ahead's), so it was planned on each of its runs (21 plans in 23 runs before the fix).
-#[test]
-fn the_workers_statements_keep_their_plans_when_jobs_arrive_one_at_a_time() {
-    // A ten-minute poll interval: only the enqueues wake the worker.
+/// A cluster whose worker only enqueues wake (a ten-minute poll interval), and whose statements
+/// pg_stat_statements counts, with the `record` handler.
+fn cluster_woken_by_enqueues_only() -> (Cluster, Client) {
     let cluster = Cluster::start(
         "shared_preload_libraries = 'durable_jobs, pg_stat_statements'\ndurable_jobs.worker_enabled = on\n\
          durable_jobs.poll_interval = '10min'\npg_stat_statements.track = all\n\
@@ -1502,9 +1503,36 @@ fn the_workers_statements_keep_their_plans_when_jobs_arrive_one_at_a_time() {
     );
     let mut client = cluster.connect();
     client.batch_execute(&format!("CREATE EXTENSION pg_stat_statements; {EFFECTS}")).unwrap();
-    run_one_at_a_time(&mut client, "record", 10);
-    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 10);
+    (cluster, client)
+}
+
+/// Jobs that find the worker asleep, two at a time (the second claimed with a claim ahead): its
+/// statements keep their plans too. The look at the extension's version ran under two
+/// search_paths in turn (the poll's and the claim ahead's), so it was planned on each of its
+/// runs (21 plans in 23 runs before the fix).
+#[test]
+fn the_workers_statements_keep_their_plans_when_jobs_arrive_one_at_a_time() {
+    let (_cluster, mut client) = cluster_woken_by_enqueues_only();
+    run_few_at_a_time(&mut client, "record", 20, 2);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 20);
     assert_eq!(replanned_statements(&mut client), Vec::<String>::new());
+}
+
+/// At claim_batch_size 1, a job that finds the worker asleep is claimed at the poll and run with
+/// no claim ahead, which would find nothing (as the poll after the job does) and hold back the
+/// job's commit: two claims per job. Failed before: 30 claims for 10 jobs.
+#[test]
+fn a_job_that_wakes_the_worker_at_batch_one_is_run_without_a_claim_ahead() {
+    let (_cluster, mut client) = cluster_woken_by_enqueues_only();
+    client.batch_execute("SELECT pg_stat_statements_reset()").unwrap();
+    run_few_at_a_time(&mut client, "record", 10, 1);
+    let claims = count(
+        &mut client,
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements
+         WHERE query LIKE '%candidate AS (%' AND query LIKE '%durable_job_handler_serves%'",
+    );
+    assert!((20..=21).contains(&claims), "{claims} claims for 10 jobs");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 10);
 }
 
 /// The worker runs the jobs of a claim in the transaction right after the claim's, from what the
