@@ -1,7 +1,8 @@
 //! The status API: read one job, list jobs in keyset pages, wait for a job to change. A caller
 //! sees the jobs of the roles
 //! whose privileges it has; superusers and roles with the extension owner's privileges see all.
-//! Any other job is simply not there. No status row ever carries a payload or a lease token.
+//! Any other job is simply not there to these reads (cancel and replay refuse it with 42501). No
+//! status row ever carries a payload or a lease token.
 
 use crate::arguments;
 use crate::plans;
