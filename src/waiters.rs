@@ -18,8 +18,9 @@ pub struct WaiterSlots {
     in_use: AtomicU32,
     /// The waiter's `pgprocno + 1`; 0 when the slot is free.
     owner: [AtomicI32; WAITER_SLOTS],
-    /// The job it waits for.
+    /// The job it waits for, and the database of that job (each numbers its own jobs).
     job_id: [AtomicI64; WAITER_SLOTS],
+    database: [AtomicU32; WAITER_SLOTS],
     /// It waits for the job to end, so only a change to a terminal state wakes it.
     until_terminal: [AtomicBool; WAITER_SLOTS],
 }
@@ -30,6 +31,7 @@ impl Default for WaiterSlots {
             in_use: AtomicU32::new(0),
             owner: std::array::from_fn(|_| AtomicI32::new(0)),
             job_id: std::array::from_fn(|_| AtomicI64::new(0)),
+            database: std::array::from_fn(|_| AtomicU32::new(0)),
             until_terminal: std::array::from_fn(|_| AtomicBool::new(false)),
         }
     }
@@ -83,6 +85,7 @@ impl WaiterSlot {
         for index in 0..WAITER_SLOTS {
             if slots.owner[index].compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                 slots.until_terminal[index].store(until_terminal, Ordering::SeqCst);
+                slots.database[index].store(my_database(), Ordering::SeqCst);
                 slots.job_id[index].store(job_id, Ordering::SeqCst);
                 slots.in_use.fetch_add(1, Ordering::SeqCst);
                 return WaiterSlot(Some(index));
@@ -148,7 +151,11 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Ch
     );
 }
 
-/// Sets the latch of every waiter.
+fn my_database() -> u32 {
+    unsafe { pg_sys::MyDatabaseId }.to_u32()
+}
+
+/// Sets the latch of every waiter on a job of this database.
 pub fn wake_every_waiter() {
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return;
@@ -156,14 +163,14 @@ pub fn wake_every_waiter() {
     let slots = SLOTS.get();
     for index in 0..WAITER_SLOTS {
         let owner = slots.owner[index].load(Ordering::Acquire);
-        if owner != 0 {
+        if owner != 0 && slots.database[index].load(Ordering::SeqCst) == my_database() {
             set_latch_of(owner);
         }
     }
 }
 
-/// Sets the latch of every waiter on one of `changed`'s jobs (of those waiting for the end, only
-/// on a terminal change). Runs after the commit is visible.
+/// Sets the latch of every waiter on one of `changed`'s jobs, in this database (of those waiting
+/// for the end, only on a terminal change). Runs after the commit is visible.
 fn wake_waiters(changed: &[(i64, Change)]) {
     let slots = SLOTS.get();
     if slots.in_use.load(Ordering::SeqCst) == 0 {
@@ -179,6 +186,9 @@ fn wake_waiters(changed: &[(i64, Change)]) {
             continue;
         }
         let job_id = slots.job_id[index].load(Ordering::SeqCst);
+        if slots.database[index].load(Ordering::SeqCst) != my_database() {
+            continue;
+        }
         let Ok(found) = changed.binary_search_by_key(&job_id, |(job_id, _)| *job_id) else { continue };
         if changed[found].1 == Change::Other && slots.until_terminal[index].load(Ordering::SeqCst) {
             continue;

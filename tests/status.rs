@@ -506,3 +506,45 @@ fn a_query_cancel_ends_a_wait_at_once_and_snapshots_that_cannot_see_change_are_r
         assert!(sqlstate(&error).starts_with("25"), "{isolation}: {}", sqlstate(&error));
     }
 }
+
+/// Each database numbers its own jobs: a change to job 1 of another database wakes no waiter on
+/// job 1 of this one. Failed before: each cancel and replay there woke the waiter here for one
+/// more read of its job.
+#[test]
+fn a_change_to_a_job_of_another_database_wakes_no_waiter_here() {
+    let cluster = Cluster::start(
+        "shared_preload_libraries = 'durable_jobs, pg_stat_statements'\npg_stat_statements.track = all\n",
+    );
+    let mut here = cluster.connect();
+    here.batch_execute("CREATE EXTENSION pg_stat_statements").unwrap();
+    here.batch_execute("CREATE DATABASE other").unwrap();
+    let mut there = cluster.connect_to("other");
+    there.batch_execute("CREATE EXTENSION durable_jobs").unwrap();
+    let job_here = enqueue(&mut here, "external");
+    let job_there = enqueue(&mut there, "external");
+    assert_eq!(job_here, job_there, "both databases number their jobs alike");
+    here.batch_execute("SELECT pg_stat_statements_reset()").unwrap();
+    let waiter = spawn_waiter(&cluster, job_here, Some(1), 3.0);
+    wait_until(Duration::from_secs(10), "the session waiting", || waiting_sessions(&mut here).len() == 1);
+    for _ in 0..10 {
+        there.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_there]).unwrap();
+        there
+            .query_one(
+                "SELECT count(*) FROM durable_jobs.replay_durable_job($1, '{\"n\": 1}')",
+                &[&job_there],
+            )
+            .unwrap();
+    }
+    let (state, _) = waiter.recv_timeout(Duration::from_secs(10)).expect("the wait's end at its timeout");
+    assert_eq!(state.as_deref(), Some("available"));
+    let reads: i64 = here
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements
+             WHERE query LIKE '%durable_job_status, j.job_state, j.state_version%'
+               AND dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!((1..=3).contains(&reads), "{reads} reads of the job by its waiter");
+}
