@@ -255,24 +255,25 @@ pub fn run_in_runner(
 }
 
 /// When the worker last renewed the leases a hand-over could not carry, across the parts of a
-/// batch; due every third of a lease.
+/// batch: due at once (since their last renewal a whole handler of the worker's own batch may
+/// have run), then every third of a lease.
 pub struct Renewal {
     every: Duration,
-    last: Instant,
+    last: Option<Instant>,
 }
 
 impl Renewal {
     pub fn new(lease_seconds: i32) -> Renewal {
         let every = Duration::from_millis((i64::from(lease_seconds) * 1000 / 3).max(100) as u64);
-        Renewal { every, last: Instant::now() }
+        Renewal { every, last: None }
     }
 
     fn is_due(&self) -> bool {
-        self.last.elapsed() >= self.every
+        self.last.is_none_or(|last| last.elapsed() >= self.every)
     }
 
     fn done(&mut self) {
-        self.last = Instant::now();
+        self.last = Some(Instant::now());
     }
 }
 

@@ -1618,3 +1618,47 @@ fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
     assert_eq!(cluster.worker_pids(&mut admin), vec![worker], "the worker was restarted");
     assert!(!cluster.server_log().contains("57014"), "a cancel reached the worker's poll");
 }
+
+#[test]
+fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
+    // One claim: app_a's job (the worker's own role) running 2.5 s of a 3 s lease, then 257 jobs
+    // of app_b (one attempt each), which a role runner takes in two hand-overs of at most 256.
+    // The 257th waits in the worker while the first hand-over runs (about 1.5 s): its lease,
+    // taken with the claim, is renewed as soon as that hand-over starts. Failed before: the first
+    // renewal came a third of a lease after the hand-over started, when that lease had lapsed,
+    // and the job ended as lease_expired without running.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 300\ndurable_jobs.lease_duration = 3\n"
+    ));
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE FUNCTION public.paced(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep((payload->>'seconds')::float8);
+                 INSERT INTO public.effects VALUES (current_user);
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('paced', 'public.paced(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    app_a.execute("SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 0}')", &[]).unwrap();
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    app_a.execute("SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 2.5}')", &[]).unwrap();
+    app_b
+        .execute(
+            "SELECT count(*) FROM (SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 0.005}',
+                                         max_attempts => 1) FROM generate_series(1, 257)) enqueued",
+            &[],
+        )
+        .unwrap();
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    wait_until(Duration::from_secs(60), "every job to finish", || finished(&mut admin) == 259);
+    let app_b_jobs = "SELECT count(*) FROM durable_jobs.durable_job
+                      WHERE enqueued_by = 'app_b' AND job_state = 'succeeded' AND attempt_count = 1";
+    assert_eq!(count(&mut admin, app_b_jobs), 257, "{}", cluster.server_log());
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 257);
+}
