@@ -498,6 +498,7 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         ("extend", crate::lease::EXTEND, with(one(), vec![60.0f64.into()])),
         ("renew", crate::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
         ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
+        ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
         ("held", crate::lease::HELD_LEASES, many()),
         ("release", crate::lease::RELEASE_UNSTARTED, many()),
         ("complete batch", crate::lease::COMPLETE_BATCH, many()),
@@ -578,6 +579,7 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
     let statements = [
         ("renew", crate::lease::RENEW_BATCH, ", float8", ", 60"),
         ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
+        ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
         ("held", crate::lease::HELD_LEASES, "", ""),
         ("release", crate::lease::RELEASE_UNSTARTED, "", ""),
         ("complete batch", crate::lease::COMPLETE_BATCH, "", ""),
@@ -694,4 +696,32 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     let runnable: Vec<Option<bool>> =
         leases.iter().map(|(id, _)| loaded.get(id).map(|job| job.handler.is_some())).collect();
     assert_eq!(runnable, [Some(true), Some(true), Some(true), Some(true), Some(false)], "the unregistered kind last");
+}
+
+/// After a failed run transaction the worker renews the leases it still holds, lapsed or not:
+/// a lapsed lease under its owner and token (taken by no one) is renewed; one reclaimed by
+/// another worker (a new token), or cancelled, is not.
+#[pg_test]
+fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
+    enqueue("k", "{}");
+    enqueue("k", "{}");
+    enqueue("k", "{}");
+    let untouched = claim("w").unwrap();
+    let reclaimed = claim("w").unwrap();
+    let cancelled = claim("w").unwrap();
+    let lapse = |job_id: i64| {
+        Spi::run(&format!(
+            "UPDATE durable_jobs.durable_job SET lease_expires_at = now() - interval '1 minute' WHERE job_id = {job_id}"
+        ))
+        .unwrap()
+    };
+    lapse(reclaimed.0);
+    assert_eq!(claim("other").map(|(job_id, _)| job_id), Some(reclaimed.0), "another worker reclaims it");
+    lapse(untouched.0);
+    Spi::run(&format!("SELECT durable_jobs.cancel_durable_job({})", cancelled.0)).unwrap();
+    let renewed: Vec<i64> = crate::lease::renew_leases_after_rollback(&[untouched, reclaimed, cancelled], "w", 60)
+        .into_iter()
+        .map(|(job_id, _)| job_id)
+        .collect();
+    assert_eq!(renewed, [untouched.0]);
 }

@@ -260,22 +260,24 @@ pub(crate) const EXTEND: &str = concat!(
     RETURNING lease_expires_at"
 );
 
-// The leases ($1 job ids, $2 tokens) that `lease_owner` $3 still holds, live, locked for the
+// The leases ($1 job ids, $2 tokens) that `lease_owner` $3 still holds, locked for the
 // background worker's statement that follows (`WITH live AS (...) UPDATE ... FROM live`), as
 // that UPDATE would lock them (a foreign key's check of a job does not count as holding it).
+// `$live`: the condition that the lease has not expired, or nothing (see RENEW_AFTER_ROLLBACK).
 // `$lock`: how a row another session holds is met: waited for (a claim of another worker holds
 // it for a moment), or skipped, so that only that job (its enqueuer cancelling it, say) is left
 // to its lease.
-macro_rules! live_leases_locked {
-    ($lock:literal) => {
+macro_rules! leases_locked {
+    ($live:literal, $lock:literal) => {
         concat!(
             "
             WITH live AS (
                 SELECT x.job_id FROM durable_jobs.durable_job x
                 JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
                      AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
-                WHERE x.job_id = ANY ($1) AND x.lease_owner = $3
-                  AND x.lease_expires_at > pg_catalog.clock_timestamp()
+                WHERE x.job_id = ANY ($1) AND x.lease_owner = $3",
+            $live,
+            "
                 FOR NO KEY UPDATE OF x",
             $lock,
             ")"
@@ -283,14 +285,32 @@ macro_rules! live_leases_locked {
     };
 }
 
+// `leases_locked`, of live leases only.
+macro_rules! live_leases_locked {
+    ($lock:literal) => {
+        leases_locked!(
+            "
+                  AND x.lease_expires_at > pg_catalog.clock_timestamp()",
+            $lock
+        )
+    };
+}
+
+// `leases_locked`, lapsed or not.
+macro_rules! held_leases_locked {
+    ($lock:literal) => {
+        leases_locked!("", $lock)
+    };
+}
+
 // The background worker's renewal of the leases of a batch's jobs not yet run, so that each
 // handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
 // EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
-// microseconds.
+// microseconds. `$leases`: live_leases_locked or held_leases_locked.
 macro_rules! renew_statement {
-    ($lock:literal) => {
+    ($leases:ident, $lock:literal) => {
         concat!(
-            live_leases_locked!($lock),
+            $leases!($lock),
             "
             UPDATE durable_jobs.durable_job j
             SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
@@ -300,8 +320,13 @@ macro_rules! renew_statement {
         )
     };
 }
-pub(crate) const RENEW_BATCH: &str = renew_statement!("");
-pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(" SKIP LOCKED");
+pub(crate) const RENEW_BATCH: &str = renew_statement!(live_leases_locked, "");
+pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(live_leases_locked, " SKIP LOCKED");
+// After a run transaction failed: its renewals went with it, and the leases the claim committed
+// may have lapsed meanwhile (a batch runs past them on renewals of its own). A lapsed lease still
+// under the worker's owner and token was taken by no one (a reclaim, a cancel, an expiry and a
+// completion all change or clear the token), so it is the worker's to renew, as if in time.
+pub(crate) const RENEW_AFTER_ROLLBACK: &str = renew_statement!(held_leases_locked, " SKIP LOCKED");
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
 // runs it skipping held rows first, then for each held row alone, under its short wait for it
@@ -683,6 +708,16 @@ pub fn renew_leases(
 ) -> Vec<(i64, i64)> {
     let statement = if skip_held { RENEW_BATCH_SKIPPING_HELD } else { RENEW_BATCH };
     over_leases(statement, jobs, worker_id, Some(f64::from(lease_seconds).into()))
+}
+
+/// `renew_leases` (skipping held rows) after the transaction that renewed them last failed:
+/// also the leases that lapsed meanwhile and no one took (RENEW_AFTER_ROLLBACK).
+pub fn renew_leases_after_rollback(
+    jobs: &[(i64, Uuid)],
+    worker_id: &str,
+    lease_seconds: i32,
+) -> Vec<(i64, i64)> {
+    over_leases(RENEW_AFTER_ROLLBACK, jobs, worker_id, Some(f64::from(lease_seconds).into()))
 }
 
 /// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns the ids of those

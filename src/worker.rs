@@ -617,6 +617,16 @@ fn run_batch(
             tally
         })
     };
+    // A transaction that failed took its renewals with it; the jobs still to run get theirs
+    // back, in a transaction of their own, before anything else runs, also those that lapsed
+    // meanwhile and no one took.
+    let renew_after_rollback = |waiting: &[(i64, Uuid)]| {
+        if !waiting.is_empty() {
+            in_worker_transaction("renewing leases", || {
+                lease::renew_leases_after_rollback(waiting, worker_id, lease_seconds)
+            });
+        }
+    };
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
@@ -627,17 +637,9 @@ fn run_batch(
              when it completed its jobs; running it again with each job completed after its handler",
             jobs.len()
         );
+        renew_after_rollback(&jobs.iter().chain(later).copied().collect::<Vec<_>>());
         outcome = run(jobs, later, Completion::PerJob, false, None);
     }
-    // A transaction that failed took its renewals with it; the jobs still to run get theirs
-    // back, in a transaction of their own, before anything else runs.
-    let renew_after_rollback = |waiting: &[(i64, Uuid)]| {
-        if !waiting.is_empty() {
-            in_worker_transaction("renewing leases", || {
-                lease::renew_leases(waiting, worker_id, lease_seconds, true)
-            });
-        }
-    };
     let sqlstate = match outcome {
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,

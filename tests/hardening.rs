@@ -661,6 +661,62 @@ fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
 }
 
 #[test]
+fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_their_first_attempt() {
+    // A batch of three jobs under 2 s leases, renewed in its transaction before each handler: job
+    // 1 writes through postgres_fdw (a loopback) a row that breaks a deferred unique constraint of
+    // the remote table, jobs 2 and 3 sleep 1.2 s each. postgres_fdw commits the remote
+    // transaction at the batch's commit, some 2.5 s in, which fails as a whole then, when the
+    // leases its claim committed have lapsed. Nobody took the jobs (owner and tokens are still
+    // the worker's): the renewal after the rollback gives them their leases back, and each runs
+    // again alone, on its first attempt. Failed before: that renewal wanted a live lease, no job
+    // could run again, and all three ended as lease_expired.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 3\ndurable_jobs.lease_duration = 2\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(&format!(
+            "CREATE EXTENSION postgres_fdw;
+             CREATE SERVER loopback FOREIGN DATA WRAPPER postgres_fdw
+                 OPTIONS (host '127.0.0.1', port '{}', dbname 'postgres');
+             CREATE USER MAPPING FOR postgres SERVER loopback OPTIONS (user 'postgres');
+             CREATE TABLE public.remote (n integer UNIQUE DEFERRABLE INITIALLY DEFERRED);
+             INSERT INTO public.remote VALUES (1);
+             CREATE FOREIGN TABLE public.through_fdw (n integer)
+                 SERVER loopback OPTIONS (schema_name 'public', table_name 'remote');
+             CREATE FUNCTION public.write_remote(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.through_fdw VALUES (1) $$;
+             CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(1.2) $$;
+             SELECT durable_jobs.register_durable_job_handler('write_remote', 'public.write_remote(jsonb)');
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('default');
+             SELECT durable_jobs.enqueue_durable_job(kind, '{{}}', max_attempts => 1)
+             FROM unnest(ARRAY['write_remote', 'nap', 'nap']) WITH ORDINALITY AS k(kind, n) ORDER BY n;
+             SELECT durable_jobs.resume_durable_job_queue('default');",
+            cluster.port
+        ))
+        .unwrap();
+    wait_until(Duration::from_secs(60), "the jobs to finish", || finished(&mut client) == 3);
+    let rows: Vec<(String, Option<String>, i32)> = client
+        .query(
+            "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let log = cluster.server_log();
+    assert!(log.contains("a batch of 3 jobs failed as a whole"), "{log} {rows:?}");
+    let ok = ("succeeded".to_owned(), None, 1);
+    assert_eq!(
+        rows,
+        [("failed".to_owned(), Some("integrity_violation".to_owned()), 1), ok.clone(), ok],
+        "{log}"
+    );
+}
+
+#[test]
 fn an_error_outside_every_job_rolls_the_batch_back_and_runs_its_jobs_one_by_one() {
     // One batch holds a good job and one whose registration a superuser corrupted by hand: loading
     // the batch, a statement of the batch itself, fails. The batch rolls back, and its jobs run
