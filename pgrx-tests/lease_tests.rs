@@ -699,16 +699,20 @@ fn the_load_of_a_batch_checks_each_handler_once() {
 }
 
 /// After a failed run transaction the worker renews the leases it still holds, lapsed or not:
-/// a lapsed lease under its owner and token (taken by no one) is renewed; one reclaimed by
-/// another worker (a new token), or cancelled, is not.
+/// a lapsed lease under its owner and token (taken by no one) is renewed, for a whole lease; one
+/// reclaimed by another worker (a new token), cancelled, completed or ended by the expiry of
+/// exhausted leases is not.
 #[pg_test]
 fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
-    enqueue("k", "{}");
-    enqueue("k", "{}");
-    enqueue("k", "{}");
+    for _ in 0..4 {
+        enqueue("k", "{}");
+    }
+    Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', max_attempts => 1)").unwrap();
     let untouched = claim("w").unwrap();
     let reclaimed = claim("w").unwrap();
     let cancelled = claim("w").unwrap();
+    let completed = claim("w").unwrap();
+    let expired = claim("w").unwrap();
     let lapse = |job_id: i64| {
         Spi::run(&format!(
             "UPDATE durable_jobs.durable_job SET lease_expires_at = now() - interval '1 minute' WHERE job_id = {job_id}"
@@ -717,11 +721,25 @@ fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
     };
     lapse(reclaimed.0);
     assert_eq!(claim("other").map(|(job_id, _)| job_id), Some(reclaimed.0), "another worker reclaims it");
+    lapse(expired.0);
+    assert_eq!(crate::lease::expire_exhausted_leases(), 1, "the expiry ends the exhausted lease");
     lapse(untouched.0);
     Spi::run(&format!("SELECT durable_jobs.cancel_durable_job({})", cancelled.0)).unwrap();
-    let renewed: Vec<i64> = crate::lease::renew_leases_after_rollback(&[untouched, reclaimed, cancelled], "w", 60)
-        .into_iter()
-        .map(|(job_id, _)| job_id)
-        .collect();
-    assert_eq!(renewed, [untouched.0]);
+    assert_eq!(
+        Spi::get_one_with_args::<&str>(
+            "SELECT durable_jobs.complete_durable_job($1, 'w', $2)",
+            &[completed.0.into(), completed.1.into()],
+        )
+        .unwrap(),
+        Some("succeeded")
+    );
+    let leases = [untouched, reclaimed, cancelled, completed, expired];
+    let renewed = crate::lease::renew_leases_after_rollback(&leases, "w", 60);
+    assert_eq!(renewed.iter().map(|(job_id, _)| *job_id).collect::<Vec<_>>(), [untouched.0]);
+    let lasts_a_lease = Spi::get_one_with_args::<bool>(
+        "SELECT lease_expires_at > clock_timestamp() + interval '50 seconds' FROM durable_jobs.durable_job WHERE job_id = $1",
+        &[untouched.0.into()],
+    )
+    .unwrap();
+    assert_eq!(lasts_a_lease, Some(true));
 }

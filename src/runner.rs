@@ -254,26 +254,25 @@ pub fn run_in_runner(
     }
 }
 
-/// When the worker last renewed the leases a hand-over could not carry, across the parts of a
-/// batch: due at once (since their last renewal a whole handler of the worker's own batch may
-/// have run), then every third of a lease.
+/// When the worker last renewed the leases of a claim's jobs that runners run or wait for,
+/// across its batches and their hand-overs (made at the claim): due every third of a lease.
 pub struct Renewal {
     every: Duration,
-    last: Option<Instant>,
+    last: Instant,
 }
 
 impl Renewal {
     pub fn new(lease_seconds: i32) -> Renewal {
         let every = Duration::from_millis((i64::from(lease_seconds) * 1000 / 3).max(100) as u64);
-        Renewal { every, last: None }
+        Renewal { every, last: Instant::now() }
     }
 
-    fn is_due(&self) -> bool {
-        self.last.is_none_or(|last| last.elapsed() >= self.every)
+    pub fn is_due(&self) -> bool {
+        self.last.elapsed() >= self.every
     }
 
-    fn done(&mut self) {
-        self.last = Some(Instant::now());
+    pub fn done(&mut self) {
+        self.last = Instant::now();
     }
 }
 

@@ -481,6 +481,8 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             false
         }
         Some(Claimed { jobs, rows }) => {
+            // When the claim's leases were last renewed, for those that runners run or wait for.
+            let mut renewal = runner::Renewal::new(lease_seconds);
             let full = jobs.len() >= settings::CLAIM_BATCH_SIZE.get() as usize;
             let batches = batches_per_enqueuer(jobs);
             for (position, (role, batch)) in batches.iter().enumerate() {
@@ -502,7 +504,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                     );
                     batch.len()
                 } else {
-                    run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds)
+                    run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds, &mut renewal)
                 };
                 (0..taken).for_each(|_| metrics::count(Counter::Claimed));
             }
@@ -537,8 +539,8 @@ fn run_batch_in_runner(
     later: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
+    renewal: &mut runner::Renewal,
 ) -> usize {
-    let mut renewal = runner::Renewal::new(lease_seconds);
     let mut taken = 0;
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
         let start = part * runner::HANDOFF_JOBS;
@@ -549,7 +551,13 @@ fn run_batch_in_runner(
                 lease::renew_leases(uncarried, worker_id, lease_seconds, true)
             });
         };
-        match runner::run_in_runner(number, role, leases, &following, lease_seconds, &mut renewal, renew) {
+        // A whole handler of the worker's own role may have run since the claim: the runner
+        // takes over only live leases, and runs them from there.
+        if renewal.is_due() {
+            renew(&leases.iter().chain(&following).copied().collect::<Vec<_>>());
+            renewal.done();
+        }
+        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renewal, renew) {
             Ok(()) => taken += leases.len(),
             Err(runner::NotRun::Lost) => {
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
@@ -644,8 +652,9 @@ fn run_batch(
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,
     };
+    // The failing job's own lease too: its failure is recorded fenced on a live lease.
     if let [job] = jobs {
-        renew_after_rollback(later);
+        renew_after_rollback(&[*job].iter().chain(later).copied().collect::<Vec<_>>());
         return fail_in_own_transaction(*job, &sqlstate, worker_id);
     }
     log!(
@@ -660,7 +669,7 @@ fn run_batch(
         match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None) {
             Ok(tally) => tally.publish(),
             Err(sqlstate) => {
-                renew_after_rollback(&waiting);
+                renew_after_rollback(&[*job].iter().chain(&waiting).copied().collect::<Vec<_>>());
                 fail_in_own_transaction(*job, &sqlstate, worker_id);
             }
         }

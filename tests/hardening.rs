@@ -662,16 +662,18 @@ fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
 
 #[test]
 fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_their_first_attempt() {
-    // A batch of three jobs under 2 s leases, renewed in its transaction before each handler: job
-    // 1 writes through postgres_fdw (a loopback) a row that breaks a deferred unique constraint of
-    // the remote table, jobs 2 and 3 sleep 1.2 s each. postgres_fdw commits the remote
-    // transaction at the batch's commit, some 2.5 s in, which fails as a whole then, when the
-    // leases its claim committed have lapsed. Nobody took the jobs (owner and tokens are still
-    // the worker's): the renewal after the rollback gives them their leases back, and each runs
-    // again alone, on its first attempt. Failed before: that renewal wanted a live lease, no job
-    // could run again, and all three ended as lease_expired.
+    // A batch of four jobs under 2 s leases, renewed in its transaction before each handler:
+    // jobs 1 and 4 write through postgres_fdw (a loopback) a row that breaks a deferred unique
+    // constraint of the remote table, jobs 2, 3 and 4 sleep 1.2 s first. postgres_fdw commits the
+    // remote transaction at the batch's commit, some 3.6 s in, which fails as a whole then, when
+    // the leases its claim committed have lapsed. Nobody took the jobs (owner and tokens are
+    // still the worker's): the renewal after the rollback gives them their leases back, and each
+    // runs again alone, on its first attempt; job 4's own transaction fails again after its lease
+    // from job 3's transaction lapsed, and its failure is still recorded. Failed before: that
+    // renewal wanted a live lease, no job could run again, and all ended as lease_expired (and
+    // with only the jobs after the failing one renewed, job 4 as lease_expired).
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 3\ndurable_jobs.lease_duration = 2\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 4\ndurable_jobs.lease_duration = 2\n"
     ));
     let mut client = cluster.connect();
     client
@@ -684,19 +686,24 @@ fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_
              INSERT INTO public.remote VALUES (1);
              CREATE FOREIGN TABLE public.through_fdw (n integer)
                  SERVER loopback OPTIONS (schema_name 'public', table_name 'remote');
-             CREATE FUNCTION public.write_remote(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.through_fdw VALUES (1) $$;
-             CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(1.2) $$;
-             SELECT durable_jobs.register_durable_job_handler('write_remote', 'public.write_remote(jsonb)');
-             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');
+             CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep((payload->>'nap')::float8);
+                 IF (payload->>'remote')::boolean THEN
+                     INSERT INTO public.through_fdw VALUES (1);
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
              SELECT durable_jobs.pause_durable_job_queue('default');
-             SELECT durable_jobs.enqueue_durable_job(kind, '{{}}', max_attempts => 1)
-             FROM unnest(ARRAY['write_remote', 'nap', 'nap']) WITH ORDINALITY AS k(kind, n) ORDER BY n;
+             SELECT durable_jobs.enqueue_durable_job('work', jsonb_build_object('nap', nap, 'remote', remote),
+                                                     max_attempts => 1)
+             FROM (VALUES (1, 0, true), (2, 1.2, false), (3, 1.2, false), (4, 1.2, true)) AS j(n, nap, remote)
+             ORDER BY n;
              SELECT durable_jobs.resume_durable_job_queue('default');",
             cluster.port
         ))
         .unwrap();
-    wait_until(Duration::from_secs(60), "the jobs to finish", || finished(&mut client) == 3);
+    wait_until(Duration::from_secs(60), "the jobs to finish", || finished(&mut client) == 4);
     let rows: Vec<(String, Option<String>, i32)> = client
         .query(
             "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
@@ -707,13 +714,10 @@ fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_
         .map(|row| (row.get(0), row.get(1), row.get(2)))
         .collect();
     let log = cluster.server_log();
-    assert!(log.contains("a batch of 3 jobs failed as a whole"), "{log} {rows:?}");
+    assert!(log.contains("a batch of 4 jobs failed as a whole"), "{log} {rows:?}");
     let ok = ("succeeded".to_owned(), None, 1);
-    assert_eq!(
-        rows,
-        [("failed".to_owned(), Some("integrity_violation".to_owned()), 1), ok.clone(), ok],
-        "{log}"
-    );
+    let bad = ("failed".to_owned(), Some("integrity_violation".to_owned()), 1);
+    assert_eq!(rows, [bad.clone(), ok.clone(), ok, bad], "{log}");
 }
 
 #[test]
