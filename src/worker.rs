@@ -562,6 +562,8 @@ fn run_batch_in_runner(
             Err(runner::NotRun::Lost) => {
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
                 taken += leases.len();
+                // Its renewals of the jobs it carried but had not run went with its transaction.
+                renew_after_rollback(&following, worker_id, lease_seconds);
                 give_back(&batch[start + leases.len()..], worker_id);
                 return taken;
             }
@@ -577,6 +579,17 @@ fn run_batch_in_runner(
         }
     }
     taken
+}
+
+/// After a transaction that renewed leases failed (the worker's or its runner's): the jobs still
+/// to run get their leases back, in a transaction of their own, before anything else runs, also
+/// those that lapsed meanwhile and no one took.
+fn renew_after_rollback(waiting: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
+    if !waiting.is_empty() {
+        in_worker_transaction("renewing leases", || {
+            lease::renew_leases_after_rollback(waiting, worker_id, lease_seconds)
+        });
+    }
 }
 
 /// Gives claimed jobs that never started back to the queue, with their attempts.
@@ -625,16 +638,8 @@ fn run_batch(
             tally
         })
     };
-    // A transaction that failed took its renewals with it; the jobs still to run get theirs
-    // back, in a transaction of their own, before anything else runs, also those that lapsed
-    // meanwhile and no one took.
-    let renew_after_rollback = |waiting: &[(i64, Uuid)]| {
-        if !waiting.is_empty() {
-            in_worker_transaction("renewing leases", || {
-                lease::renew_leases_after_rollback(waiting, worker_id, lease_seconds)
-            });
-        }
-    };
+    let renew_after_rollback =
+        |waiting: &[(i64, Uuid)]| renew_after_rollback(waiting, worker_id, lease_seconds);
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };

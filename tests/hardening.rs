@@ -1722,3 +1722,63 @@ fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
     assert_eq!(count(&mut admin, app_b_jobs), 257, "{}", cluster.server_log());
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 257);
 }
+
+#[test]
+fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
+    // One claim: two jobs of app_b, which a role runner runs (1 s and 1.5 s), then app_a's job
+    // (one attempt), which the worker runs itself afterwards; leases of 2 s. The runner renews
+    // app_a's lease in its transaction; it is ended 2.3 s in, after the lease the claim
+    // committed lapsed, and its renewal goes with it. The worker renews what the runner carried
+    // and had not run (no one took it), and app_a's job runs on its first attempt. Failed before:
+    // it was left to its lapsed lease and ended as lease_expired.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 2\n"
+    ));
+    admin.batch_execute(NOTE_HANDLER).unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep((payload->>'nap')::float8) $$;
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    for nap in ["1.0", "1.5"] {
+        app_b
+            .execute(
+                "SELECT durable_jobs.enqueue_durable_job('nap', jsonb_build_object('nap', $1::text::float8))",
+                &[&nap],
+            )
+            .unwrap();
+    }
+    let last: i64 = app_a
+        .query_one("SELECT durable_jobs.enqueue_durable_job('note', '{}', max_attempts => 1)", &[])
+        .unwrap()
+        .get(0);
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    let resumed = std::time::Instant::now();
+    let runner_naps = "SELECT count(*) FROM pg_stat_activity
+                       WHERE backend_type = 'durable_jobs role runner' AND wait_event = 'PgSleep'";
+    wait_until(Duration::from_secs(20), "the runner's first nap", || count(&mut admin, runner_naps) == 1);
+    std::thread::sleep(Duration::from_millis(2300).saturating_sub(resumed.elapsed()));
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'durable_jobs role runner'",
+            &[],
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "app_a's job to end", || {
+        !matches!(job_outcome(&mut admin, &format!("job_id = {last}")).0.as_str(), "running" | "available")
+    });
+    let log = cluster.server_log();
+    assert!(log.contains("a role runner ended while running a batch"), "{log}");
+    assert_eq!(
+        job_outcome(&mut admin, &format!("job_id = {last}")),
+        ("succeeded".to_owned(), None, 1),
+        "{log}"
+    );
+}
