@@ -50,6 +50,19 @@ fn outcome_by(client: &mut Client, kind: &str, role: &str) -> (String, Option<St
     (state, code)
 }
 
+/// (job_state, last_failure_code, attempt_count) of every job, in job id order.
+fn outcomes_in_order(client: &mut Client) -> Vec<(String, Option<String>, i32)> {
+    client
+        .query(
+            "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
+
 fn enqueue(client: &mut Client, kind: &str) -> i64 {
     client
         .query_one("SELECT durable_jobs.enqueue_durable_job($1, '{}')", &[&kind])
@@ -449,17 +462,7 @@ fn a_bad_job_fails_alone_and_the_worker_survives() {
         .unwrap();
     let pids = cluster.worker_pids(&mut client);
     wait_until(Duration::from_secs(30), "the batch to finish", || finished(&mut client) == 5);
-    let rows: Vec<(i32, String, Option<String>, i32)> = client
-        .query(
-            "SELECT (row_number() OVER (ORDER BY job_id))::int, job_state, last_failure_code, attempt_count
-             FROM durable_jobs.durable_job ORDER BY job_id",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
-        .collect();
-    for (n, state, code, attempts) in rows {
+    for (n, (state, code, attempts)) in (1..).zip(outcomes_in_order(&mut client)) {
         if n == 3 {
             assert_eq!((state, code, attempts), ("failed".into(), Some("integrity_violation".into()), 1));
         } else {
@@ -704,15 +707,7 @@ fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_
         ))
         .unwrap();
     wait_until(Duration::from_secs(60), "the jobs to finish", || finished(&mut client) == 4);
-    let rows: Vec<(String, Option<String>, i32)> = client
-        .query(
-            "SELECT job_state, last_failure_code, attempt_count FROM durable_jobs.durable_job ORDER BY job_id",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
-        .collect();
+    let rows = outcomes_in_order(&mut client);
     let log = cluster.server_log();
     assert!(log.contains("a batch of 4 jobs failed as a whole"), "{log} {rows:?}");
     let ok = ("succeeded".to_owned(), None, 1);
