@@ -166,16 +166,17 @@ const RUNNER_START_ATTEMPTS: u32 = 3;
 /// Runs `batch` (leases of `role`'s jobs, in claim order) in this worker's runner for `role`,
 /// with `later` (the claim's leases still to run after it), and waits until it is done. The
 /// hand-over carries at most `HANDOFF_JOBS` leases; meanwhile `renew` is called for the leases
-/// of `later` it could not carry whenever `renewal` says one is due.
+/// of `later` it could not carry every third of a lease (they were renewed, or claimed, less
+/// than that before the call: see `worker::run_batch_in_runner`).
 pub fn run_in_runner(
     number: i32,
     role: &str,
     batch: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
     lease_seconds: i32,
-    renewal: &mut Renewal,
-    mut renew: impl FnMut(&[(i64, Uuid)]),
+    mut renew: impl FnMut(&[(i64, Uuid)]) -> bool,
 ) -> Result<(), NotRun> {
+    let mut renewal = Renewal::since(Instant::now(), lease_seconds);
     let handoff = handoff_of(number);
     if let Some(wait) = START_BACKOFF.with(|backoff| backoff.borrow().wait()) {
         // Runners kept ending at start lately: not again before the back-off is over.
@@ -246,6 +247,7 @@ pub fn run_in_runner(
             runner = start_runner(number)?;
         }
         if renewal.is_due() && !uncarried.is_empty() {
+            // Also after a failure, logged: retried a third of a lease later, not every 50 ms.
             renew(uncarried);
             renewal.done();
         }
@@ -254,17 +256,16 @@ pub fn run_in_runner(
     }
 }
 
-/// When the worker last renewed the leases of a claim's jobs that runners run or wait for,
-/// across its batches and their hand-overs (made at the claim): due every third of a lease.
+/// When leases were last renewed (or claimed), due again every third of a lease.
 pub struct Renewal {
     every: Duration,
     last: Instant,
 }
 
 impl Renewal {
-    pub fn new(lease_seconds: i32) -> Renewal {
+    pub fn since(last: Instant, lease_seconds: i32) -> Renewal {
         let every = Duration::from_millis((i64::from(lease_seconds) * 1000 / 3).max(100) as u64);
-        Renewal { every, last: Instant::now() }
+        Renewal { every, last }
     }
 
     pub fn is_due(&self) -> bool {

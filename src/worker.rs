@@ -323,6 +323,8 @@ thread_local! {
 struct Claimed {
     jobs: Vec<(String, (i64, Uuid))>,
     rows: ClaimedRows,
+    /// When the claim started: its leases are no younger.
+    claimed_at: Option<Instant>,
 }
 
 /// How often a worker ends exhausted leases as `lease_expired` (`lease::expire_exhausted_leases`).
@@ -333,6 +335,7 @@ const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 /// unless the extension is at this library's version (`extension_ready`'s check, whose read of
 /// the extension's row the claim then uses: one read, under one change of settings).
 fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
+    let claimed_at = Some(Instant::now());
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let (extension, jobs, expired) = with_worker_settings(|| {
@@ -364,7 +367,7 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
         .filter(|job| runs_first_here.as_ref() == Some(&job.enqueued_by))
         .map(ClaimedRow::of)
         .collect();
-    Some((Claimed { jobs: order, rows: ClaimedRows { extension, rows } }, expired > 0))
+    Some((Claimed { jobs: order, rows: ClaimedRows { extension, rows }, claimed_at }, expired > 0))
 }
 
 /// Claims the next batch in the transaction of the batch that ran last, when the queue had a
@@ -480,9 +483,10 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             metrics::count(Counter::IdlePolls);
             false
         }
-        Some(Claimed { jobs, rows }) => {
-            // When the claim's leases were last renewed, for those that runners run or wait for.
-            let mut renewal = runner::Renewal::new(lease_seconds);
+        Some(Claimed { jobs, rows, claimed_at }) => {
+            // When the leases of the claim's jobs that runners run or wait for were last renewed
+            // in full (a renewal of some of them does not count).
+            let mut renewal = runner::Renewal::since(claimed_at.unwrap_or_else(Instant::now), lease_seconds);
             let full = jobs.len() >= settings::CLAIM_BATCH_SIZE.get() as usize;
             let batches = batches_per_enqueuer(jobs);
             for (position, (role, batch)) in batches.iter().enumerate() {
@@ -546,18 +550,18 @@ fn run_batch_in_runner(
         let start = part * runner::HANDOFF_JOBS;
         let following: Vec<(i64, Uuid)> =
             batch[start + leases.len()..].iter().chain(later).copied().collect();
-        let renew = |uncarried: &[(i64, Uuid)]| {
+        let renew = |leases: &[(i64, Uuid)]| {
             in_worker_transaction("renewing leases", || {
-                lease::renew_leases(uncarried, worker_id, lease_seconds, true)
-            });
+                lease::renew_leases(leases, worker_id, lease_seconds, true)
+            })
+            .is_some()
         };
         // A whole handler of the worker's own role may have run since the claim: the runner
         // takes over only live leases, and runs them from there.
-        if renewal.is_due() {
-            renew(&leases.iter().chain(&following).copied().collect::<Vec<_>>());
+        if renewal.is_due() && renew(&leases.iter().chain(&following).copied().collect::<Vec<_>>()) {
             renewal.done();
         }
-        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renewal, renew) {
+        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew) {
             Ok(()) => taken += leases.len(),
             Err(runner::NotRun::Lost) => {
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");

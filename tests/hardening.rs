@@ -1722,8 +1722,8 @@ fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
 fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
     // One claim: two jobs of app_b, which a role runner runs (1 s and 1.5 s), then app_a's job
     // (one attempt), which the worker runs itself afterwards; leases of 2 s. The runner renews
-    // app_a's lease in its transaction; it is ended 2.3 s in, after the lease the claim
-    // committed lapsed, and its renewal goes with it. The worker renews what the runner carried
+    // app_a's lease in its transaction; it is ended once the lease the claim committed has
+    // lapsed, and its renewal goes with it. The worker renews what the runner carried
     // and had not run (no one took it), and app_a's job runs on its first attempt. Failed before:
     // it was left to its lapsed lease and ended as lease_expired.
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
@@ -1755,11 +1755,14 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
         .unwrap()
         .get(0);
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    let resumed = std::time::Instant::now();
     let runner_naps = "SELECT count(*) FROM pg_stat_activity
                        WHERE backend_type = 'durable_jobs role runner' AND wait_event = 'PgSleep'";
     wait_until(Duration::from_secs(20), "the runner's first nap", || count(&mut admin, runner_naps) == 1);
-    std::thread::sleep(Duration::from_millis(2300).saturating_sub(resumed.elapsed()));
+    // The lease the claim committed (the runner's renewal is not committed).
+    let lapsed = format!(
+        "SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {last} AND lease_expires_at < clock_timestamp()"
+    );
+    wait_until(Duration::from_secs(20), "app_a's lease to lapse", || count(&mut admin, &lapsed) == 1);
     admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'durable_jobs role runner'",
