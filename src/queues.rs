@@ -13,10 +13,14 @@ const CHANGE_PAUSED: &str = "
     WHERE queue_name = $1 AND paused <> $2
     RETURNING 1";
 
+// Pauses a queue that has no row yet, or whose row another session inserts meanwhile (a first
+// concurrency limit): DO NOTHING would report that queue as paused already.
 const INSERT_PAUSED: &str = "
     INSERT INTO durable_jobs.durable_job_queue (queue_name, paused, changed_by)
     VALUES ($1, true, $2::pg_catalog.name)
-    ON CONFLICT (queue_name) DO NOTHING
+    ON CONFLICT (queue_name) DO UPDATE
+    SET paused = true, changed_by = excluded.changed_by, changed_at = pg_catalog.now()
+    WHERE NOT durable_job_queue.paused
     RETURNING 1";
 
 /// Sets a queue's paused state; true when that changed it. A queue without a row is open.

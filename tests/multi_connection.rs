@@ -460,3 +460,36 @@ fn a_queue_concurrency_limit_holds_across_connections() {
     assert!(highest <= LIMIT, "{highest} jobs ran at once under a limit of {LIMIT}");
     assert!(highest >= 2, "the workers did run in parallel ({highest})");
 }
+
+#[test]
+fn a_pause_that_meets_the_queues_first_control_being_made_pauses_it() {
+    // The queue has no control row yet; one session sets its first concurrency limit and has
+    // not committed when another pauses it. The pause waits for that row and then pauses the
+    // queue. Failed before: its insert found the row and did nothing, returned false ("already
+    // paused") and left the queue open.
+    let cluster = Cluster::start("");
+    let mut limiter = cluster.connect();
+    let mut pauser = cluster.connect();
+    let mut watcher = cluster.connect();
+    let mut limiting = limiter.transaction().unwrap();
+    limiting.execute("SELECT durable_jobs.set_durable_job_queue_concurrency('q', 5)", &[]).unwrap();
+    let pause = thread::spawn(move || {
+        pauser.query_one("SELECT durable_jobs.pause_durable_job_queue('q')", &[]).unwrap().get::<_, bool>(0)
+    });
+    wait_until(Duration::from_secs(10), "the pause to wait for the row", || {
+        count(
+            &mut watcher,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%pause_durable_job_queue%'",
+        ) == 1
+    });
+    limiting.commit().unwrap();
+    assert!(pause.join().unwrap(), "the pause reported the queue paused already");
+    let (paused, limit): (bool, Option<i32>) = watcher
+        .query_one(
+            "SELECT paused, concurrency_limit FROM durable_jobs.durable_job_queue WHERE queue_name = 'q'",
+            &[],
+        )
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
+    assert_eq!((paused, limit), (true, Some(5)));
+}
