@@ -309,6 +309,25 @@ fn prometheus_exposition_has_fixed_names_and_types() {
     assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 11);
 }
 
+/// A queue's series goes once it has no pending job and no control: a queue paused and resumed
+/// keeps its control row, open and unlimited, and exported no series after all. Broken before:
+/// the row kept the series for ever.
+#[pg_test]
+fn a_resumed_unlimited_queue_without_pending_jobs_has_no_series() {
+    Spi::run(
+        "SELECT durable_jobs.pause_durable_job_queue('was_paused');
+         SELECT durable_jobs.resume_durable_job_queue('was_paused');
+         SELECT durable_jobs.set_durable_job_queue_concurrency('was_limited', 3);
+         SELECT durable_jobs.set_durable_job_queue_concurrency('was_limited', NULL);
+         SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 3);",
+    )
+    .unwrap();
+    let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
+    assert!(!text.contains("queue=\"was_paused\""), "{text}");
+    assert!(!text.contains("queue=\"was_limited\""), "{text}");
+    assert!(text.contains("durable_jobs_queue_ready_jobs{queue=\"limited\"} 0\n"), "{text}");
+}
+
 #[pg_test]
 fn prometheus_exposition_has_per_queue_gauges() {
     Spi::run(

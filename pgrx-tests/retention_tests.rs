@@ -52,12 +52,25 @@ fn prune_deletes_finished_jobs_older_than_asked_oldest_first_up_to_max_jobs() {
     assert_eq!(remaining_jobs(), vec![available, running], "unfinished jobs are never pruned");
 }
 
+/// An interval is negative as PostgreSQL compares it, not when one of its fields is: '1 day -1
+/// hour' is 23 hours. Broken before: refused with 22023.
+#[pg_test]
+fn prune_takes_an_interval_whose_fields_have_mixed_signs() {
+    let [succeeded, _, _, available, running] = jobs_in_every_state(&[30, 1, 1]);
+    assert_eq!(one::<i64>("SELECT durable_jobs.prune_durable_jobs(interval '20 days -1 hour')"), 1);
+    assert!(!remaining_jobs().contains(&succeeded));
+    assert!(remaining_jobs().ends_with(&[available, running]));
+}
+
 #[pg_test]
 fn prune_rejects_bad_input_and_deletes_nothing() {
     jobs_in_every_state(&[30, 30, 30]);
     for (statement, sqlstate) in [
         ("SELECT durable_jobs.prune_durable_jobs(NULL)", "22004"),
         ("SELECT durable_jobs.prune_durable_jobs(interval '-1 second')", "22023"),
+        ("SELECT durable_jobs.prune_durable_jobs(interval '1 day -25 hours')", "22023"),
+        ("SELECT durable_jobs.prune_durable_jobs(interval '1 month -31 days')", "22023"),
+        ("SELECT durable_jobs.prune_durable_jobs(interval '300000 years')", "22008"),
         ("SELECT durable_jobs.prune_durable_jobs(interval '1 day', NULL)", "22004"),
         ("SELECT durable_jobs.prune_durable_jobs(interval '1 day', 0)", "22023"),
         ("SELECT durable_jobs.prune_durable_jobs(interval '1 day', 100001)", "22023"),

@@ -177,7 +177,7 @@ fn durable_job_metrics_prometheus() -> String {
 /// `durable_jobs_queues_not_exported`.
 pub const EXPORTED_QUEUES_LIMIT: i64 = 100;
 
-// Per queue with a pending job or a control: ready jobs (available, run_after passed), running
+// Per queue with a pending job or a control (a row resumed and unlimited is none): ready jobs (available, run_after passed), running
 // jobs, and the age of the oldest ready job; the queues with the most ready jobs first. Reads
 // only pending jobs (through the claim order index's states).
 const QUEUE_GAUGES: &str = "
@@ -194,7 +194,9 @@ const QUEUE_GAUGES: &str = "
         SELECT COALESCE(p.queue_name, q.queue_name) AS queue_name,
                COALESCE(p.ready, 0) AS ready, COALESCE(p.running, 0) AS running,
                COALESCE(pg_catalog.date_part('epoch', pg_catalog.now() - p.oldest_ready), 0)::pg_catalog.float8 AS age
-        FROM pending p FULL JOIN durable_jobs.durable_job_queue q ON q.queue_name = p.queue_name)
+        FROM pending p
+        FULL JOIN (SELECT queue_name FROM durable_jobs.durable_job_queue
+                   WHERE paused OR concurrency_limit IS NOT NULL) q ON q.queue_name = p.queue_name)
     SELECT queue_name, ready, running, age, pg_catalog.count(*) OVER () AS queues
     FROM queues
     ORDER BY ready DESC, queue_name

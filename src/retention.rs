@@ -58,7 +58,8 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
 #[search_path(pg_catalog, pg_temp)]
 fn prune_durable_jobs(older_than: Option<Interval>, max_jobs: default!(Option<i32>, 10000)) -> i64 {
     let older_than = arguments::required(older_than, "older_than");
-    if older_than.is_negative() {
+    // As PostgreSQL compares intervals (a month as 30 days): '1 day -1 hour' is positive.
+    if older_than.as_micros() < 0 {
         arguments::invalid("older_than must not be negative");
     }
     let max_jobs = arguments::required(max_jobs, "max_jobs");
