@@ -12,11 +12,14 @@ use crate::sql_types::Regprocedure;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-/// (prokind, pronargs, first argument is jsonb, caller may execute) of a routine.
+/// (prokind, pronargs, first argument is jsonb, caller may execute) of a routine. Executing
+/// takes USAGE on the routine's schema too: the worker calls it by oid, which PostgreSQL checks
+/// for EXECUTE only (a call by name looks the schema up, and checks it).
 const DESCRIBE_ROUTINE: &str = "
     SELECT p.prokind::pg_catalog.text, p.pronargs::pg_catalog.int4,
            p.pronargs >= 1 AND p.proargtypes[0] = 'pg_catalog.jsonb'::pg_catalog.regtype,
            pg_catalog.has_function_privilege($2, p.oid, 'EXECUTE')
+           AND pg_catalog.has_schema_privilege($2, p.pronamespace, 'USAGE')
     FROM pg_catalog.pg_proc p WHERE p.oid = $1";
 
 /// Whether the caller may replace or remove the registration of a kind; NULL when there is none.
@@ -103,7 +106,8 @@ fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regpro
         ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            "permission denied: the registering role must be allowed to execute the handler"
+            "permission denied: the registering role must be allowed to execute the handler",
+            "It needs EXECUTE on the handler and USAGE on its schema."
         );
     }
     as_extension_owner(|| {
@@ -231,7 +235,8 @@ pub(crate) fn routine_still_exists(routine: pg_sys::Oid) -> bool {
     }
 }
 
-/// Whether `role` may run `routine` as a handler: the role exists and may execute it, the
+/// Whether `role` may run `routine` as a handler: the role exists and may execute it (EXECUTE,
+/// and USAGE on its schema, as DESCRIBE_ROUTINE), the
 /// routine takes one jsonb and returns no set (as at the registration: an oid used again by
 /// another routine fails here), and its owner's code may run as that role (`runs_code_of`).
 /// Some(whether it is a procedure) when it may; None when it may not or the routine is gone.
@@ -254,10 +259,12 @@ pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option
         let kind = (*form).prokind as u8;
         let takes_one_jsonb =
             (*form).pronargs == 1 && (*form).proargtypes.values.as_slice(1)[0] == pg_sys::JSONBOID;
-        let (returns_set, owner) = ((*form).proretset, (*form).proowner);
+        let (returns_set, owner, schema) = ((*form).proretset, (*form).proowner, (*form).pronamespace);
         pg_sys::ReleaseSysCache(row);
         let may_run = pg_sys::pg_proc_aclcheck(routine, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             == pg_sys::AclResult::ACLCHECK_OK
+            && pg_sys::pg_namespace_aclcheck(schema, role, pg_sys::ACL_USAGE as pg_sys::AclMode)
+                == pg_sys::AclResult::ACLCHECK_OK
             && matches!(kind, b'f' | b'p')
             && takes_one_jsonb
             && !returns_set

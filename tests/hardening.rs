@@ -1780,3 +1780,43 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
         "{log}"
     );
 }
+
+#[test]
+fn a_handler_runs_only_while_its_enqueuer_may_use_its_schema() {
+    // The worker calls a handler by oid, which PostgreSQL checks for EXECUTE only (a call by name
+    // looks its schema up, and needs USAGE on it). Registering needs USAGE on the handler's
+    // schema, and so does every run. Failed before: a role registered, by oid, a routine of a
+    // schema it may not use (EXECUTE is PUBLIC's by default), and the worker ran it for its jobs;
+    // it also went on running a handler after its schema's USAGE was revoked.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin
+        .batch_execute(
+            "CREATE TABLE public.effects (who name);
+             GRANT INSERT ON public.effects TO PUBLIC;
+             CREATE SCHEMA hidden;
+             CREATE FUNCTION hidden.note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;
+             CREATE SCHEMA shown;
+             GRANT USAGE ON SCHEMA shown TO app_a;
+             CREATE FUNCTION shown.note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.effects VALUES (current_user) $$;",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let by_oid = app_a.batch_execute(
+        "SELECT durable_jobs.register_durable_job_handler('hidden',
+             (SELECT oid FROM pg_proc WHERE proname = 'note' AND pronamespace = 'hidden'::regnamespace)::regprocedure)",
+    );
+    assert_eq!(by_oid.map_err(|e| sqlstate(&e)), Err("42501".to_owned()));
+    app_a
+        .batch_execute("SELECT durable_jobs.register_durable_job_handler('shown', 'shown.note(jsonb)')")
+        .unwrap();
+    admin.batch_execute("REVOKE USAGE ON SCHEMA shown FROM app_a").unwrap();
+    enqueue(&mut app_a, "shown");
+    wait_until(Duration::from_secs(20), "the job to end", || finished(&mut admin) == 1);
+    assert_eq!(
+        outcome_by(&mut admin, "shown", "app_a"),
+        ("failed".to_owned(), Some("target_rejected".to_owned()))
+    );
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects"), 0);
+}
