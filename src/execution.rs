@@ -587,9 +587,9 @@ fn fire_constraints_immediately() {
 
 /// Clears what a handler can leave in the session beyond its subtransaction, before another
 /// job, maybe another role's, runs: open cursors (portals), session advisory locks, temporary
-/// objects (only a function can be made in pg_temp under the restriction), open large objects,
-/// and the seed of `random()`. PostgreSQL itself refuses PREPARE, LISTEN and WITH HOLD cursors
-/// to the handler. The sequence caches go too: `lastval()` would name the last job's sequence.
+/// objects (functions, domains and enum types can be made in pg_temp under the restriction),
+/// open large objects, the seed of `random()` and a replication origin. PostgreSQL itself
+/// refuses PREPARE, LISTEN and WITH HOLD cursors to the handler. The sequence caches go too: `lastval()` would name the last job's sequence.
 /// Under the worker's lock timeout: dropping a temporary object can wait.
 fn clear_session_state() {
     const USER_LOCKMETHOD: pg_sys::LOCKMETHODID = 2;
@@ -603,6 +603,15 @@ fn clear_session_state() {
             AtEOXact_LargeObject(true);
             pg_sys::DirectFunctionCall1Coll(Some(setseed), pg_sys::Oid::INVALID, seed.into_datum().unwrap());
         });
+        // A replication origin set up for the session (where pg_replication_origin_session_setup
+        // is granted) would tag every later commit of this session, the worker's own included,
+        // so that subscribers filtering by origin skip them. As pg_replication_origin_session_reset.
+        if pg_sys::replorigin_session_origin != pg_sys::InvalidRepOriginId as pg_sys::RepOriginId {
+            pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| pg_sys::replorigin_session_reset());
+            pg_sys::replorigin_session_origin = pg_sys::InvalidRepOriginId as pg_sys::RepOriginId;
+            pg_sys::replorigin_session_origin_lsn = 0;
+            pg_sys::replorigin_session_origin_timestamp = 0;
+        }
     }
 }
 

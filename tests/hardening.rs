@@ -1820,3 +1820,48 @@ fn a_handler_runs_only_while_its_enqueuer_may_use_its_schema() {
     );
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects"), 0);
 }
+
+#[test]
+fn a_replication_origin_a_handler_sets_up_does_not_outlive_its_job() {
+    // Where pg_replication_origin_session_setup is granted, a handler can tag its session with a
+    // replication origin: every later commit of the worker's session (the next jobs', the
+    // worker's own) would carry it, and subscribers filtering by origin would skip them. Two jobs
+    // of one batch: the first sets the origin up, the second finds none. Failed before: the
+    // second found it set up.
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 2\n"));
+    admin
+        .batch_execute(
+            "SELECT pg_replication_origin_create('handler_origin');
+             GRANT EXECUTE ON FUNCTION pg_replication_origin_session_setup(text),
+                                       pg_replication_origin_session_is_setup() TO app_a;
+             CREATE TABLE public.seen (n integer, origin_set boolean);
+             GRANT INSERT ON public.seen TO PUBLIC;
+             CREATE FUNCTION public.take_origin(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.seen VALUES ((payload->>'n')::integer, pg_replication_origin_session_is_setup());
+                 IF (payload->>'setup')::boolean THEN
+                     PERFORM pg_replication_origin_session_setup('handler_origin');
+                 END IF;
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('origin', 'public.take_origin(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    app_a
+        .batch_execute(
+            "BEGIN;
+             SELECT durable_jobs.enqueue_durable_job('origin', '{\"n\": 1, \"setup\": true}');
+             SELECT durable_jobs.enqueue_durable_job('origin', '{\"n\": 2, \"setup\": false}');
+             COMMIT;",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(20), "both jobs to end", || finished(&mut admin) == 2);
+    let seen: Vec<(i32, bool)> = admin
+        .query("SELECT n, origin_set FROM public.seen ORDER BY n", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(seen, [(1, false), (2, false)], "{}", cluster.server_log());
+}
