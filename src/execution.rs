@@ -585,12 +585,12 @@ fn fire_constraints_immediately() {
     }
 }
 
-/// Clears what a handler can leave in the session beyond its subtransaction, before another
-/// job, maybe another role's, runs: open cursors (portals), session advisory locks, temporary
-/// objects (functions, domains and enum types can be made in pg_temp under the restriction),
-/// open large objects, the seed of `random()` and a replication origin. PostgreSQL itself
-/// refuses PREPARE, LISTEN and WITH HOLD cursors to the handler. The sequence caches go too: `lastval()` would name the last job's sequence.
-/// Under the worker's lock timeout: dropping a temporary object can wait.
+/// Clears what a handler can leave in the session beyond its subtransaction, before another job,
+/// maybe another role's, runs: open cursors (portals), session advisory locks, temporary objects
+/// (functions, domains and enum types can be made in pg_temp under the restriction), open large
+/// objects, the seed of `random()` and a replication origin. PostgreSQL itself refuses PREPARE,
+/// LISTEN and WITH HOLD cursors to the handler. The sequence caches go too: `lastval()` would name
+/// the last job's sequence. Under the worker's lock timeout: dropping a temporary object can wait.
 fn clear_session_state() {
     const USER_LOCKMETHOD: pg_sys::LOCKMETHODID = 2;
     unsafe {

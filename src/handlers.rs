@@ -235,11 +235,11 @@ pub(crate) fn routine_still_exists(routine: pg_sys::Oid) -> bool {
     }
 }
 
-/// Whether `role` may run `routine` as a handler: the role exists and may execute it (EXECUTE,
-/// and USAGE on its schema, as DESCRIBE_ROUTINE), the
-/// routine takes one jsonb and returns no set (as at the registration: an oid used again by
-/// another routine fails here), and its owner's code may run as that role (`runs_code_of`).
-/// Some(whether it is a procedure) when it may; None when it may not or the routine is gone.
+/// Whether `role` may run `routine` as a handler: the role exists and may execute it (EXECUTE, and
+/// USAGE on its schema, as DESCRIBE_ROUTINE), the routine takes one jsonb and returns no set (as at
+/// the registration: an oid used again by another routine fails here), and its owner's code may run
+/// as that role (`runs_code_of`). Some(whether it is a procedure) when it may; None when it may not
+/// or the routine is gone.
 pub(crate) fn may_run_routine(routine: pg_sys::Oid, role: pg_sys::Oid) -> Option<bool> {
     unsafe {
         if !pg_sys::SearchSysCacheExists(

@@ -177,9 +177,9 @@ fn durable_job_metrics_prometheus() -> String {
 /// `durable_jobs_queues_not_exported`.
 pub const EXPORTED_QUEUES_LIMIT: i64 = 100;
 
-// Per queue with a pending job or a control (a row resumed and unlimited is none): ready jobs (available, run_after passed), running
-// jobs, and the age of the oldest ready job; the queues with the most ready jobs first. Reads
-// only pending jobs (through the claim order index's states).
+// Per queue with a pending job or a control (a row resumed and unlimited is none): ready jobs
+// (available, run_after passed), running jobs, and the age of the oldest ready job; the queues with
+// the most ready jobs first. Reads only pending jobs (through the claim order index's states).
 const QUEUE_GAUGES: &str = "
     WITH pending AS (
         SELECT j.queue_name,

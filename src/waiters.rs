@@ -160,10 +160,10 @@ pub fn wake_every_waiter() {
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return;
     }
-    let slots = SLOTS.get();
+    let (slots, database) = (SLOTS.get(), my_database());
     for index in 0..WAITER_SLOTS {
         let owner = slots.owner[index].load(Ordering::Acquire);
-        if owner != 0 && slots.database[index].load(Ordering::SeqCst) == my_database() {
+        if owner != 0 && slots.database[index].load(Ordering::SeqCst) == database {
             set_latch_of(owner);
         }
     }
@@ -180,13 +180,14 @@ fn wake_waiters(changed: &[(i64, Change)]) {
     let mut changed = changed.to_vec();
     changed.sort_unstable_by_key(|(job_id, change)| (*job_id, *change == Change::Other));
     changed.dedup_by_key(|(job_id, _)| *job_id);
+    let database = my_database();
     for index in 0..WAITER_SLOTS {
         let owner = slots.owner[index].load(Ordering::Acquire);
         if owner == 0 {
             continue;
         }
         let job_id = slots.job_id[index].load(Ordering::SeqCst);
-        if slots.database[index].load(Ordering::SeqCst) != my_database() {
+        if slots.database[index].load(Ordering::SeqCst) != database {
             continue;
         }
         let Ok(found) = changed.binary_search_by_key(&job_id, |(job_id, _)| *job_id) else { continue };

@@ -642,8 +642,12 @@ fn run_batch(
             tally
         })
     };
-    let renew_after_rollback =
-        |waiting: &[(i64, Uuid)]| renew_after_rollback(waiting, worker_id, lease_seconds);
+    // The claim's leases from the job at `position` on, renewed after a transaction that failed
+    // (it took its renewals with it); the job there too, whose failure is recorded fenced.
+    let renew_from = |position: usize| {
+        let waiting: Vec<(i64, Uuid)> = jobs[position..].iter().chain(later).copied().collect();
+        renew_after_rollback(&waiting, worker_id, lease_seconds);
+    };
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
@@ -654,16 +658,15 @@ fn run_batch(
              when it completed its jobs; running it again with each job completed after its handler",
             jobs.len()
         );
-        renew_after_rollback(&jobs.iter().chain(later).copied().collect::<Vec<_>>());
+        renew_from(0);
         outcome = run(jobs, later, Completion::PerJob, false, None);
     }
     let sqlstate = match outcome {
         Ok(tally) => return tally.publish(),
         Err(sqlstate) => sqlstate,
     };
-    // The failing job's own lease too: its failure is recorded fenced on a live lease.
+    renew_from(0);
     if let [job] = jobs {
-        renew_after_rollback(&[*job].iter().chain(later).copied().collect::<Vec<_>>());
         return fail_in_own_transaction(*job, &sqlstate, worker_id);
     }
     log!(
@@ -671,14 +674,13 @@ fn run_batch(
          running its jobs one by one",
         jobs.len()
     );
-    renew_after_rollback(&jobs.iter().chain(later).copied().collect::<Vec<_>>());
     for (position, job) in jobs.iter().enumerate() {
         // Renewed with `later` when due, so that the jobs after this one keep their leases.
         let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
         match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None) {
             Ok(tally) => tally.publish(),
             Err(sqlstate) => {
-                renew_after_rollback(&[*job].iter().chain(&waiting).copied().collect::<Vec<_>>());
+                renew_from(position);
                 fail_in_own_transaction(*job, &sqlstate, worker_id);
             }
         }
