@@ -50,6 +50,8 @@ pub struct Handoff {
     /// The latest generation a runner took (only one runner can take each), and finished.
     taken: AtomicU64,
     done: AtomicU64,
+    /// The latest generation a runner took but could not take over (see `NotRun::Refused`).
+    refused: AtomicU64,
     /// The pid of the runner the worker retires (a pid, so that a value left by a worker that
     /// died while retiring cannot end a later runner).
     retire_pid: AtomicI32,
@@ -73,6 +75,7 @@ impl Default for Handoff {
             generation: AtomicU64::new(0),
             taken: AtomicU64::new(0),
             done: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             retire_pid: AtomicI32::new(0),
             worker_pid: AtomicI32::new(0),
             worker_procno: AtomicI32::new(0),
@@ -122,6 +125,10 @@ pub enum NotRun {
     NoSlot,
     /// The runner ended while it worked on the batch; its leases expire.
     Lost,
+    /// The runner took the batch but could not take its leases over (its transaction failed,
+    /// logged: a cancel, a lock timeout; or the extension was being updated): no handler of it
+    /// started, and it renewed nothing.
+    Refused,
 }
 
 thread_local! {
@@ -231,6 +238,9 @@ pub fn run_in_runner(
         if handoff.done.load(Ordering::Acquire) >= generation {
             START_BACKOFF.with(|backoff| backoff.borrow_mut().reset());
             RUNNER.with(|slot| *slot.borrow_mut() = Some((runner, role.to_owned())));
+            if handoff.refused.load(Ordering::Acquire) >= generation {
+                return Err(NotRun::Refused);
+            }
             return Ok(());
         }
         if !is_running(&runner) {
@@ -313,8 +323,13 @@ pub struct Handover {
 
 /// A runner's side: waits for hand-overs of worker `number` and gives each to `run`, as long as
 /// they come from the worker process and for the role of its first one; ends when retired, when
-/// idle for a while, or at the first hand-over not its own.
-pub fn serve_handovers(number: i32, mut between_batches: impl FnMut(), mut run: impl FnMut(Handover)) {
+/// idle for a while, or at the first hand-over not its own. `run` returns whether it took the
+/// hand-over's leases over; if not, the worker gives them back.
+pub fn serve_handovers(
+    number: i32,
+    mut between_batches: impl FnMut(),
+    mut run: impl FnMut(Handover) -> bool,
+) {
     let handoff = handoff_of(number);
     let me = my_procno_plus_one();
     handoff.runner_procno.store(me, Ordering::Release);
@@ -355,7 +370,9 @@ pub fn serve_handovers(number: i32, mut between_batches: impl FnMut(), mut run: 
                 continue;
             }
             bound = Some(owner);
-            run(handover);
+            if !run(handover) {
+                handoff.refused.fetch_max(generation, Ordering::AcqRel);
+            }
             handoff.done.fetch_max(generation, Ordering::AcqRel);
             set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
             idle_since = Instant::now();

@@ -210,7 +210,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
                 Some((held(&handover.batch), held(&handover.later)))
             })
         });
-        let Some(Some((batch, later))) = leases else { return };
+        let Some(Some((batch, later))) = leases else { return false };
         // Leases lost before the runner took them count as the worker's would.
         let mut lost = Tally::default();
         for _ in batch.len()..handover.batch.len() {
@@ -220,6 +220,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         if !batch.is_empty() {
             run_batch(&batch, &later, &worker_id, handover.lease_seconds, false, None);
         }
+        true
     });
 }
 
@@ -571,12 +572,15 @@ fn run_batch_in_runner(
                 give_back(&batch[start + leases.len()..], worker_id);
                 return taken;
             }
-            Err(runner::NotRun::NoSlot) => {
-                log!(
-                    "{WORKER_TYPE}: no role runner could start (no background worker slot free, see \
-                     max_worker_processes, or it ended at start); {} jobs go back to the queue",
-                    batch.len() - start
-                );
+            Err(reason @ (runner::NotRun::NoSlot | runner::NotRun::Refused)) => {
+                let why = if let runner::NotRun::Refused = reason {
+                    "a role runner could not take a batch over (its transaction failed, logged, or the \
+                     extension is being updated)"
+                } else {
+                    "no role runner could start (no background worker slot free, see max_worker_processes, \
+                     or it ended at start)"
+                };
+                log!("{WORKER_TYPE}: {why}; {} jobs go back to the queue", batch.len() - start);
                 give_back(&batch[start..], worker_id);
                 return taken;
             }

@@ -1782,6 +1782,55 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
 }
 
 #[test]
+fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
+    // One claim: app_a's job, which the worker runs itself (a nap), then app_b's, which a role
+    // runner runs. A session locks the job table once app_a's batch commits, until the runner's
+    // take-over has given up on its lock timeout. The worker gives app_b's job back (no handler
+    // of it started), and it runs on its first attempt. Failed before: the worker counted the
+    // hand-over as run, and the job stayed running until its lease of 60 s lapsed.
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    admin.batch_execute(NOTE_HANDLER).unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_sleep(1) $$;
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    enqueue(&mut app_a, "nap");
+    let handed = enqueue(&mut app_b, "note");
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    let worker_naps = "SELECT count(*) FROM pg_stat_activity
+                       WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'";
+    wait_until(Duration::from_secs(20), "the worker's nap", || count(&mut admin, worker_naps) == 1);
+    let mut locker = cluster.connect();
+    let mut holding = locker.transaction().unwrap();
+    // Granted when app_a's batch commits, before the hand-over.
+    holding.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE").unwrap();
+    wait_until(Duration::from_secs(20), "the runner's take-over to give up", || {
+        cluster.server_log().contains("taking over a batch failed with SQLSTATE 55P03")
+    });
+    holding.commit().unwrap();
+    wait_until(Duration::from_secs(20), "app_b's job to end", || {
+        !matches!(job_outcome(&mut admin, &format!("job_id = {handed}")).0.as_str(), "running" | "available")
+    });
+    let log = cluster.server_log();
+    assert!(log.contains("a role runner could not take a batch over"), "{log}");
+    assert_eq!(
+        job_outcome(&mut admin, &format!("job_id = {handed}")),
+        ("succeeded".to_owned(), None, 1),
+        "{log}"
+    );
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 1);
+}
+
+#[test]
 fn a_handler_runs_only_while_its_enqueuer_may_use_its_schema() {
     // The worker calls a handler by oid, which PostgreSQL checks for EXECUTE only (a call by name
     // looks its schema up, and needs USAGE on it). Registering needs USAGE on the handler's
