@@ -177,6 +177,27 @@ pub fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
     result
 }
 
+/// Makes `role` the session's user (`session_user`), as `SET SESSION AUTHORIZATION` does, for a
+/// session that runs only `role`'s handlers from now on (see `runner`): code that trusts
+/// `session_user` then sees a handler's enqueuer there too, never the worker's login role. Only
+/// a session that logged in as a superuser may; returns whether it did (false also for a role
+/// that no longer exists). In a transaction of its own (catalog lookups): a rollback would not
+/// undo it, but would put back the current user its transaction started with.
+pub fn bind_session_user(role: &str) -> bool {
+    let Ok(name) = std::ffi::CString::new(role) else { return false };
+    unsafe {
+        if !pg_sys::GetAuthenticatedUserIsSuperuser() {
+            return false;
+        }
+        let oid = pg_sys::get_role_oid(name.as_ptr(), true);
+        if oid == pg_sys::Oid::INVALID {
+            return false;
+        }
+        pg_sys::SetSessionAuthorization(oid, pg_sys::superuser_arg(oid));
+    }
+    true
+}
+
 /// How long the background worker's own statements wait for a lock before they give up, so that
 /// no session (one that cancels a running job and keeps its transaction open, say) can stall the
 /// worker; the error rolls back what the worker was doing and is handled like any other.

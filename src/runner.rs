@@ -15,6 +15,8 @@
 //! the runner (it ends) and starts a new one; an idle runner ends after a while. A runner takes a
 //! hand-over only if it is for its own role and from the worker process that started it: a
 //! runner left over from a worker that restarted, or bound to another role, ends instead.
+//! A bound session also makes its role the session's user (`session_user`, where the worker logs
+//! in as a superuser), so that no handler sees the worker's login role there.
 
 use crate::settings::WORKER_COUNT_LIMIT;
 use crate::wakeup::{my_procno_plus_one, past_cancels, set_latch_of, sleep_on_latch};
@@ -316,6 +318,8 @@ thread_local! {
 /// A batch a runner took.
 pub struct Handover {
     pub worker_number: i32,
+    /// The role whose jobs these are.
+    pub role: String,
     pub batch: Vec<(i64, Uuid)>,
     pub later: Vec<(i64, Uuid)>,
     pub lease_seconds: i32,
@@ -419,8 +423,12 @@ fn read_handover(number: i32, handoff: &Handoff) -> Handover {
         })
         .collect();
     let (batch, later) = leases.split_at(batch_len);
+    let role_bytes: Vec<u8> =
+        handoff.role.iter().flat_map(|word| word.load(Ordering::Relaxed).to_le_bytes()).collect();
+    let role_length = role_bytes.iter().position(|byte| *byte == 0).unwrap_or(role_bytes.len());
     Handover {
         worker_number: number,
+        role: String::from_utf8_lossy(&role_bytes[..role_length]).into_owned(),
         batch: batch.to_vec(),
         later: later.to_vec(),
         lease_seconds: handoff.lease_seconds.load(Ordering::Relaxed),

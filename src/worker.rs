@@ -199,6 +199,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         report_statistics();
     };
     runner::serve_handovers(number, between_batches, |handover| {
+        bind_session(&handover.role);
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
@@ -308,8 +309,11 @@ fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
 }
 
 thread_local! {
-    /// The role whose handlers this worker's own session runs: that of the first batch it ran.
+    /// The role whose handlers this session runs: that of the first batch a worker ran, of the
+    /// first hand-over a runner took.
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// Whether this session's user (`session_user`) is `BOUND_ROLE` (`bind_session`).
+    static SESSION_USER_BOUND: Cell<bool> = const { Cell::new(false) };
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
     static CLAIMED_AHEAD: RefCell<Claimed> = RefCell::new(Claimed::default());
@@ -493,8 +497,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             for (position, (role, batch)) in batches.iter().enumerate() {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
-                let bound =
-                    BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.clone()).clone());
+                let bound = bind_session(role);
                 // Counted as claimed once it runs: a job given back is claimed again later.
                 let taken = if *role == bound {
                     // The last batch of a full claim claims the next one in its transaction.
@@ -516,6 +519,21 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             true
         }
     }
+}
+
+/// The role this session runs handlers for: its bound role, or `role` if it has none yet. Also
+/// makes the bound role the session's user, where the worker logged in as a superuser (tried
+/// again at each batch after a failure: the role was gone, a lookup failed), so that a handler
+/// sees its enqueuer as `session_user`, never the worker's login role.
+fn bind_session(role: &str) -> String {
+    let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.to_owned()).clone());
+    if !SESSION_USER_BOUND.get() && unsafe { pg_sys::GetAuthenticatedUserIsSuperuser() } {
+        let done = in_transaction_or_logged("making the bound role the session's user", || {
+            BackgroundWorker::transaction(|| crate::privilege::bind_session_user(&bound))
+        });
+        SESSION_USER_BOUND.set(done == Some(true));
+    }
+    bound
 }
 
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a

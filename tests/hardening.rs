@@ -1831,6 +1831,50 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
 }
 
 #[test]
+fn a_handler_sees_its_enqueuer_as_session_user_in_the_worker_and_in_a_role_runner() {
+    // The worker (bound to app_a, its first batch's role) and app_b's role runner make their
+    // bound role the session's user: a handler's code that trusts session_user (a SECURITY
+    // DEFINER function checking its caller, a row security policy) sees the enqueuer, not the
+    // worker's login role. Failed before: session_user was postgres, is_superuser on.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin
+        .batch_execute(
+            "CREATE TABLE public.sessions (current_role_name name, session_role_name name, superuser text);
+             GRANT INSERT ON public.sessions TO PUBLIC;
+             CREATE FUNCTION public.who(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.sessions VALUES (current_user, session_user, current_setting('is_superuser')) $$;
+             SELECT durable_jobs.register_durable_job_handler('who', 'public.who(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    for (done, role) in [(1, "app_a"), (2, "app_b"), (3, "app_a")] {
+        enqueue(if role == "app_a" { &mut app_a } else { &mut app_b }, "who");
+        wait_until(Duration::from_secs(20), "the job to finish", || finished(&mut admin) == done);
+    }
+    let seen: Vec<(String, String, String)> = admin
+        .query(
+            "SELECT current_role_name::text, session_role_name::text, superuser FROM public.sessions
+             ORDER BY current_role_name, session_role_name",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let as_seen = |role: &str| (role.to_owned(), role.to_owned(), "off".to_owned());
+    assert_eq!(seen, [as_seen("app_a"), as_seen("app_a"), as_seen("app_b")], "{}", cluster.server_log());
+    // The sessions still serve their roles: the runner ran app_b's job, the worker app_a's.
+    assert_eq!(
+        count(
+            &mut admin,
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type IN ('durable_jobs worker', 'durable_jobs role runner')"
+        ),
+        2
+    );
+}
+
+#[test]
 fn a_handler_runs_only_while_its_enqueuer_may_use_its_schema() {
     // The worker calls a handler by oid, which PostgreSQL checks for EXECUTE only (a call by name
     // looks its schema up, and needs USAGE on it). Registering needs USAGE on the handler's
