@@ -525,6 +525,15 @@ pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
                 "permission denied to run the handler of this job"
             );
         }
+        // A role renamed, or dropped and created again, since the session's user was made its
+        // bound role (the worker restarts at its next claim): an attempt spent, retried.
+        if !crate::privilege::session_may_run_as(handler.role) {
+            ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                "this job's role is not the role this worker session is bound to"
+            );
+        }
         let flinfo = pg_sys::palloc0(std::mem::size_of::<pg_sys::FmgrInfo>()) as *mut pg_sys::FmgrInfo;
         pg_sys::fmgr_info(handler.routine, flinfo);
         let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>()

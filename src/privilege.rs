@@ -177,25 +177,53 @@ pub fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
     result
 }
 
+/// Whether this session's user was made the role whose handlers it runs (`bind_session_user`).
+static SESSION_USER_BOUND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Why `bind_session_user` left the session's user as it was.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Unbound {
+    /// The session did not log in as a superuser, which `SET SESSION AUTHORIZATION` needs.
+    LoginNotSuperuser,
+    /// No role has that name (now).
+    NoSuchRole,
+}
+
 /// Makes `role` the session's user (`session_user`), as `SET SESSION AUTHORIZATION` does, for a
 /// session that runs only `role`'s handlers from now on (see `runner`): code that trusts
-/// `session_user` then sees a handler's enqueuer there too, never the worker's login role. Only
-/// a session that logged in as a superuser may; returns whether it did (false also for a role
-/// that no longer exists). In a transaction of its own (catalog lookups): a rollback would not
-/// undo it, but would put back the current user its transaction started with.
-pub fn bind_session_user(role: &str) -> bool {
-    let Ok(name) = std::ffi::CString::new(role) else { return false };
+/// `session_user` then sees a handler's enqueuer there too, never the worker's login role. In a
+/// transaction of its own (catalog lookups): a rollback would not undo it, but would put back the
+/// current user its transaction started with.
+pub fn bind_session_user(role: &str) -> Result<(), Unbound> {
+    let name = std::ffi::CString::new(role).map_err(|_| Unbound::NoSuchRole)?;
     unsafe {
-        if !pg_sys::GetAuthenticatedUserIsSuperuser() {
-            return false;
+        // PostgreSQL 17 has no GetAuthenticatedUserIsSuperuser; its own check reads it so.
+        if !pg_sys::superuser_arg(pg_sys::GetAuthenticatedUserId()) {
+            return Err(Unbound::LoginNotSuperuser);
         }
         let oid = pg_sys::get_role_oid(name.as_ptr(), true);
         if oid == pg_sys::Oid::INVALID {
-            return false;
+            return Err(Unbound::NoSuchRole);
         }
         pg_sys::SetSessionAuthorization(oid, pg_sys::superuser_arg(oid));
     }
-    true
+    SESSION_USER_BOUND.store(true, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// Whether this session may run handlers as `role`: any role while its user was not bound;
+/// once it was, only as that very role (an oid: a role renamed, or dropped and created again
+/// under its name, is another role).
+pub fn session_may_run_as(role: pg_sys::Oid) -> bool {
+    !SESSION_USER_BOUND.load(std::sync::atomic::Ordering::Relaxed)
+        || role == unsafe { pg_sys::GetSessionUserId() }
+}
+
+/// Whether the role named `role` is the one this session may run handlers as (see
+/// `session_may_run_as`); in a transaction.
+pub fn session_may_run_as_named(role: &str) -> bool {
+    let Ok(name) = std::ffi::CString::new(role) else { return false };
+    session_may_run_as(unsafe { pg_sys::get_role_oid(name.as_ptr(), true) })
 }
 
 /// How long the background worker's own statements wait for a lock before they give up, so that

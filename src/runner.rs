@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 /// beyond it are left to the worker's next renewal.
 pub const HANDOFF_JOBS: usize = 256;
 
-/// A role's name as the hand-over carries it (NAMEDATALEN bytes).
-const ROLE_WORDS: usize = 8;
+/// A role's name as the hand-over carries it (NAMEDATALEN bytes, NUL-terminated).
+const ROLE_WORDS: usize = pg_sys::NAMEDATALEN as usize / 8;
 
 pub const RUNNER_TYPE: &str = "durable_jobs role runner";
 
@@ -315,6 +315,18 @@ thread_local! {
     static START_BACKOFF: RefCell<StartBackoff> = RefCell::new(StartBackoff::default());
 }
 
+/// What a runner made of a hand-over it took.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TakenOver {
+    /// It ran what of the batch was still leased to the worker.
+    Ran,
+    /// It could not take the leases over (see `NotRun::Refused`); the worker gives them back.
+    Refused,
+    /// The same, and its session may run the role's handlers no more (the role was renamed, or
+    /// dropped and created again): it ends, and the role's next batch starts a new runner.
+    RefusedAndEnds,
+}
+
 /// A batch a runner took.
 pub struct Handover {
     pub worker_number: i32,
@@ -327,12 +339,11 @@ pub struct Handover {
 
 /// A runner's side: waits for hand-overs of worker `number` and gives each to `run`, as long as
 /// they come from the worker process and for the role of its first one; ends when retired, when
-/// idle for a while, or at the first hand-over not its own. `run` returns whether it took the
-/// hand-over's leases over; if not, the worker gives them back.
+/// idle for a while, or at the first hand-over not its own, or when `run` says so.
 pub fn serve_handovers(
     number: i32,
     mut between_batches: impl FnMut(),
-    mut run: impl FnMut(Handover) -> bool,
+    mut run: impl FnMut(Handover) -> TakenOver,
 ) {
     let handoff = handoff_of(number);
     let me = my_procno_plus_one();
@@ -374,11 +385,15 @@ pub fn serve_handovers(
                 continue;
             }
             bound = Some(owner);
-            if !run(handover) {
+            let taken = run(handover);
+            if taken != TakenOver::Ran {
                 handoff.refused.fetch_max(generation, Ordering::AcqRel);
             }
             handoff.done.fetch_max(generation, Ordering::AcqRel);
             set_latch_of(handoff.worker_procno.load(Ordering::Relaxed));
+            if taken == TakenOver::RefusedAndEnds {
+                break;
+            }
             idle_since = Instant::now();
             continue;
         }

@@ -15,10 +15,10 @@ use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
 use crate::privilege::{
-    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings,
+    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Unbound,
 };
 use crate::retention;
-use crate::runner;
+use crate::runner::{self, TakenOver, RUNNER_TYPE};
 use crate::settings;
 use crate::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
@@ -94,6 +94,15 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         })
         .unwrap_or(false);
         last_poll_found_job = found_job;
+        if BOUND_ROLE_MOVED.get() {
+            // Its handlers must not run in this session, and no other role's may (see `runner`).
+            log!(
+                "{WORKER_TYPE} {number}: the role its session is bound to was renamed, or dropped and \
+                 created again; it restarts"
+            );
+            give_back_claimed_ahead(&worker_id);
+            unsafe { pg_sys::proc_exit(1) };
+        }
         let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().jobs.is_empty());
         // Retention does not depend on whether jobs run: pruning goes on with the worker off.
         if prune_due && !claimed_ahead {
@@ -189,7 +198,7 @@ fn start_session(application_name: &str) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
-    start_session(&format!("{} {number}", runner::RUNNER_TYPE));
+    start_session(&format!("{RUNNER_TYPE} {number}"));
     // Between batches (the runner sleeps a second at most): statistics are reported at the
     // top of its loop, after the worker was told the last batch is done.
     let between_batches = || {
@@ -199,19 +208,29 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         report_statistics();
     };
     runner::serve_handovers(number, between_batches, |handover| {
-        bind_session(&handover.role);
+        bind_session_user_to(&bound_role(&handover.role));
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
                 if !extension_ready() {
-                    return None;
+                    return Err(TakenOver::Refused);
+                }
+                if !session_serves_bound_role() {
+                    return Err(TakenOver::RefusedAndEnds);
                 }
                 let held =
                     |leases: &[(i64, Uuid)]| with_worker_settings(|| lease::held_leases(leases, &worker_id));
-                Some((held(&handover.batch), held(&handover.later)))
+                Ok((held(&handover.batch), held(&handover.later)))
             })
         });
-        let Some(Some((batch, later))) = leases else { return false };
+        let (batch, later) = match leases {
+            Some(Ok(leases)) => leases,
+            Some(Err(TakenOver::RefusedAndEnds)) => {
+                log!("{RUNNER_TYPE}: its role was renamed, or dropped and created again; it ends");
+                return TakenOver::RefusedAndEnds;
+            }
+            _ => return TakenOver::Refused,
+        };
         // Leases lost before the runner took them count as the worker's would.
         let mut lost = Tally::default();
         for _ in batch.len()..handover.batch.len() {
@@ -221,7 +240,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         if !batch.is_empty() {
             run_batch(&batch, &later, &worker_id, handover.lease_seconds, false, None);
         }
-        true
+        TakenOver::Ran
     });
 }
 
@@ -312,8 +331,12 @@ thread_local! {
     /// The role whose handlers this session runs: that of the first batch a worker ran, of the
     /// first hand-over a runner took.
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
-    /// Whether this session's user (`session_user`) is `BOUND_ROLE` (`bind_session`).
-    static SESSION_USER_BOUND: Cell<bool> = const { Cell::new(false) };
+    /// Whether this session's user was made `BOUND_ROLE` (`bind_session_user_to`); None while it
+    /// may still be: not tried yet, or the role did not exist.
+    static SESSION_USER_BOUND: Cell<Option<bool>> = const { Cell::new(None) };
+    /// Set by a claim that found the bound role's name naming another role now (renamed, or
+    /// dropped and created again): the worker ends, to start again with a new session.
+    static BOUND_ROLE_MOVED: Cell<bool> = const { Cell::new(false) };
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
     static CLAIMED_AHEAD: RefCell<Claimed> = RefCell::new(Claimed::default());
@@ -345,6 +368,10 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let (extension, jobs, expired) = with_worker_settings(|| {
         let found = crate::privilege::installed_at_library_version()?;
+        if !session_serves_bound_role() {
+            BOUND_ROLE_MOVED.set(true);
+            return None;
+        }
         let expired = if expiry_due { lease::expire_exhausted_leases() } else { 0 };
         // Due again at the next poll while a call finds a full batch of them (after a crash);
         // otherwise counted from here even if the transaction fails: retried a second later.
@@ -497,9 +524,10 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             for (position, (role, batch)) in batches.iter().enumerate() {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
-                let bound = bind_session(role);
+                let bound = bound_role(role);
                 // Counted as claimed once it runs: a job given back is claimed again later.
                 let taken = if *role == bound {
+                    bind_session_user_to(role);
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
                     run_batch(
@@ -521,19 +549,40 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     }
 }
 
-/// The role this session runs handlers for: its bound role, or `role` if it has none yet. Also
-/// makes the bound role the session's user, where the worker logged in as a superuser (tried
-/// again at each batch after a failure: the role was gone, a lookup failed), so that a handler
-/// sees its enqueuer as `session_user`, never the worker's login role.
-fn bind_session(role: &str) -> String {
-    let bound = BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.to_owned()).clone());
-    if !SESSION_USER_BOUND.get() && unsafe { pg_sys::GetAuthenticatedUserIsSuperuser() } {
-        let done = in_transaction_or_logged("making the bound role the session's user", || {
-            BackgroundWorker::transaction(|| crate::privilege::bind_session_user(&bound))
-        });
-        SESSION_USER_BOUND.set(done == Some(true));
+/// The role this session runs handlers for: its bound role, or `role` if it has none yet.
+fn bound_role(role: &str) -> String {
+    BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.to_owned()).clone())
+}
+
+/// Makes the bound role the session's user before the session runs its handlers, so that a
+/// handler sees its enqueuer as `session_user`, never the worker's login role. Tried again
+/// before each batch while that role does not exist; a login role that is not a superuser
+/// cannot, which is logged once.
+fn bind_session_user_to(role: &str) {
+    if SESSION_USER_BOUND.get().is_some() {
+        return;
     }
-    bound
+    let outcome = in_transaction_or_logged("making the bound role the session's user", || {
+        BackgroundWorker::transaction(|| crate::privilege::bind_session_user(role))
+    });
+    let bound = match outcome {
+        Some(Ok(())) => Some(true),
+        Some(Err(Unbound::LoginNotSuperuser)) => {
+            log!(
+                "{WORKER_TYPE}: the worker's login role (durable_jobs.worker_role) is not a superuser, so \
+                 handlers see it as session_user: give it no rights of its own"
+            );
+            Some(false)
+        }
+        _ => None,
+    };
+    SESSION_USER_BOUND.set(bound);
+}
+
+/// Whether this session still runs its bound role's handlers: while the role's name names the
+/// role its user was made (see `privilege::session_may_run_as`); in a transaction.
+fn session_serves_bound_role() -> bool {
+    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::privilege::session_may_run_as_named))
 }
 
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a

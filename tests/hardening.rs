@@ -1830,6 +1830,32 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.effects WHERE who = 'app_b'"), 1);
 }
 
+/// A table `public.sessions` and a handler `who` that notes in it, for each job, its
+/// current_user, session_user, is_superuser and the pid of the session that ran it.
+const WHO_HANDLER: &str = "
+    CREATE TABLE public.sessions (current_role_name name, session_role_name name, superuser text, pid int);
+    GRANT INSERT ON public.sessions TO PUBLIC;
+    CREATE FUNCTION public.who(payload jsonb) RETURNS void LANGUAGE sql
+        AS $$ INSERT INTO public.sessions
+              VALUES (current_user, session_user, current_setting('is_superuser'), pg_backend_pid()) $$;
+    SELECT durable_jobs.register_durable_job_handler('who', 'public.who(jsonb)');";
+
+/// What `WHO_HANDLER` noted, in order: (current_user, session_user, is_superuser, ran in the
+/// worker's own session).
+fn sessions_seen(admin: &mut Client) -> Vec<(String, String, String, bool)> {
+    admin
+        .query(
+            "SELECT current_role_name::text, session_role_name::text, superuser,
+                    pid IN (SELECT pid FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker')
+             FROM public.sessions ORDER BY 1, 2, 4",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+        .collect()
+}
+
 #[test]
 fn a_handler_sees_its_enqueuer_as_session_user_in_the_worker_and_in_a_role_runner() {
     // The worker (bound to app_a, its first batch's role) and app_b's role runner make their
@@ -1837,41 +1863,70 @@ fn a_handler_sees_its_enqueuer_as_session_user_in_the_worker_and_in_a_role_runne
     // DEFINER function checking its caller, a row security policy) sees the enqueuer, not the
     // worker's login role. Failed before: session_user was postgres, is_superuser on.
     let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
-    admin
-        .batch_execute(
-            "CREATE TABLE public.sessions (current_role_name name, session_role_name name, superuser text);
-             GRANT INSERT ON public.sessions TO PUBLIC;
-             CREATE FUNCTION public.who(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO public.sessions VALUES (current_user, session_user, current_setting('is_superuser')) $$;
-             SELECT durable_jobs.register_durable_job_handler('who', 'public.who(jsonb)');",
-        )
-        .unwrap();
+    admin.batch_execute(WHO_HANDLER).unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     for (done, role) in [(1, "app_a"), (2, "app_b"), (3, "app_a")] {
         enqueue(if role == "app_a" { &mut app_a } else { &mut app_b }, "who");
         wait_until(Duration::from_secs(20), "the job to finish", || finished(&mut admin) == done);
     }
-    let seen: Vec<(String, String, String)> = admin
-        .query(
-            "SELECT current_role_name::text, session_role_name::text, superuser FROM public.sessions
-             ORDER BY current_role_name, session_role_name",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
-        .collect();
-    let as_seen = |role: &str| (role.to_owned(), role.to_owned(), "off".to_owned());
-    assert_eq!(seen, [as_seen("app_a"), as_seen("app_a"), as_seen("app_b")], "{}", cluster.server_log());
-    // The sessions still serve their roles: the runner ran app_b's job, the worker app_a's.
+    let seen = |role: &str, in_worker: bool| (role.to_owned(), role.to_owned(), "off".to_owned(), in_worker);
     assert_eq!(
-        count(
-            &mut admin,
-            "SELECT count(*) FROM pg_stat_activity WHERE backend_type IN ('durable_jobs worker', 'durable_jobs role runner')"
-        ),
-        2
+        sessions_seen(&mut admin),
+        [seen("app_a", true), seen("app_a", true), seen("app_b", false)],
+        "{}",
+        cluster.server_log()
     );
+}
+
+#[test]
+fn a_session_bound_to_a_role_runs_no_job_of_a_new_role_of_the_same_name() {
+    // The worker is bound to app_a and its runner to app_b (their oids, as session users); then
+    // each is renamed and a new role takes its name. app_b's runner refuses the new app_b's job
+    // and ends, and a new runner runs it; the worker restarts before it claims the new app_a's
+    // job. Each sees its own role as session_user. Failed before: the runner ran the new
+    // app_b's job with app_b_old as session_user.
+    let (cluster, mut admin) = cluster_with_app_roles(WORKER_CONF);
+    admin.batch_execute(WHO_HANDLER).unwrap();
+    enqueue(&mut cluster.connect_as("app_a"), "who");
+    wait_until(Duration::from_secs(20), "app_a's job", || finished(&mut admin) == 1);
+    enqueue(&mut cluster.connect_as("app_b"), "who");
+    wait_until(Duration::from_secs(20), "app_b's job", || finished(&mut admin) == 2);
+    for (role, done) in [("app_b", 3), ("app_a", 4)] {
+        admin
+            .batch_execute(&format!(
+                "ALTER ROLE {role} RENAME TO {role}_old;
+                 CREATE ROLE {role} LOGIN;
+                 GRANT USAGE ON SCHEMA durable_jobs TO {role};
+                 GRANT EXECUTE ON FUNCTION
+                     durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer)
+                   TO {role};"
+            ))
+            .unwrap();
+        enqueue(&mut cluster.connect_as(role), "who");
+        wait_until(Duration::from_secs(30), "the new role's job", || finished(&mut admin) == done);
+    }
+    let log = cluster.server_log();
+    let seen = |role: &str, in_worker: bool| (role.to_owned(), role.to_owned(), "off".to_owned(), in_worker);
+    // The first worker's pid is gone: app_a's first job ran in a session that ended.
+    assert_eq!(
+        sessions_seen(&mut admin),
+        [seen("app_a", false), seen("app_a", true), seen("app_b", false), seen("app_b", false)],
+        "{log}"
+    );
+    assert!(
+        log.contains("role runner: its role was renamed, or dropped and created again; it ends"),
+        "{log}"
+    );
+    assert!(
+        log.contains(
+            "the role its session is bound to was renamed, or dropped and created again; it restarts"
+        ),
+        "{log}"
+    );
+    let jobs =
+        "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded' AND attempt_count = 1";
+    assert_eq!(count(&mut admin, jobs), 4, "{log}");
 }
 
 #[test]
