@@ -525,8 +525,8 @@ pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
                 "permission denied to run the handler of this job"
             );
         }
-        // A role renamed, or dropped and created again, since the session's user was made its
-        // bound role (the worker restarts at its next claim): an attempt spent, retried.
+        // Only as the session's bound role: one renamed, or dropped and created again, after the
+        // claim (the worker restarts at its next claim) fails this attempt, retried.
         if !crate::privilege::session_may_run_as(handler.role) {
             ereport!(
                 ERROR,

@@ -177,53 +177,68 @@ pub fn as_owner<R>(owner: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
     result
 }
 
-/// Whether this session's user was made the role whose handlers it runs (`bind_session_user`).
-static SESSION_USER_BOUND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The role (oid) whose handlers this session runs, once bound (`bind_session_to_role`); 0
+/// before. A role renamed, or dropped and created again under its name, is another role.
+static BOUND_ROLE_OID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
-/// Why `bind_session_user` left the session's user as it was.
+/// What `bind_session_to_role` did.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Unbound {
-    /// The session did not log in as a superuser, which `SET SESSION AUTHORIZATION` needs.
-    LoginNotSuperuser,
-    /// No role has that name (now).
+pub enum Binding {
+    /// The session runs that role's handlers only, and the role is its user (`session_user`).
+    Bound,
+    /// The same, but the session's user is still its login role, which is not a superuser (as
+    /// `SET SESSION AUTHORIZATION` needs).
+    BoundLoginNotSuperuser,
+    /// No role has that name (now): nothing bound.
     NoSuchRole,
 }
 
-/// Makes `role` the session's user (`session_user`), as `SET SESSION AUTHORIZATION` does, for a
-/// session that runs only `role`'s handlers from now on (see `runner`): code that trusts
-/// `session_user` then sees a handler's enqueuer there too, never the worker's login role. In a
-/// transaction of its own (catalog lookups): a rollback would not undo it, but would put back the
-/// current user its transaction started with.
-pub fn bind_session_user(role: &str) -> Result<(), Unbound> {
-    let name = std::ffi::CString::new(role).map_err(|_| Unbound::NoSuchRole)?;
+/// Binds this session, for its life, to the role named `role`: from now on it runs that role's
+/// handlers only (see `runner`, and `session_may_run_as`), and makes it the session's user, as
+/// `SET SESSION AUTHORIZATION` does, so that code that trusts `session_user` sees a handler's
+/// enqueuer there too, never the worker's login role; that needs a login role that is a
+/// superuser. In a transaction of its own (catalog lookups): a rollback would not undo it, but
+/// would put back the current user its transaction started with.
+pub fn bind_session_to_role(role: &str) -> Binding {
+    let Ok(name) = std::ffi::CString::new(role) else { return Binding::NoSuchRole };
+    let oid = unsafe { pg_sys::get_role_oid(name.as_ptr(), true) };
+    if oid == pg_sys::Oid::INVALID {
+        return Binding::NoSuchRole;
+    }
+    BOUND_ROLE_OID.store(oid.to_u32(), std::sync::atomic::Ordering::Relaxed);
     unsafe {
         // PostgreSQL 17 has no GetAuthenticatedUserIsSuperuser; its own check reads it so.
         if !pg_sys::superuser_arg(pg_sys::GetAuthenticatedUserId()) {
-            return Err(Unbound::LoginNotSuperuser);
-        }
-        let oid = pg_sys::get_role_oid(name.as_ptr(), true);
-        if oid == pg_sys::Oid::INVALID {
-            return Err(Unbound::NoSuchRole);
+            return Binding::BoundLoginNotSuperuser;
         }
         pg_sys::SetSessionAuthorization(oid, pg_sys::superuser_arg(oid));
     }
-    SESSION_USER_BOUND.store(true, std::sync::atomic::Ordering::Relaxed);
-    Ok(())
+    Binding::Bound
 }
 
-/// Whether this session may run handlers as `role`: any role while its user was not bound;
-/// once it was, only as that very role (an oid: a role renamed, or dropped and created again
-/// under its name, is another role).
+/// Whether this session may run a handler as `role`: a worker's or runner's session only once
+/// bound, and only as its bound role (a session that runs handlers for two roles lets one
+/// decide what the other's code means: see `runner`). Other backends (tests) bind none.
 pub fn session_may_run_as(role: pg_sys::Oid) -> bool {
-    !SESSION_USER_BOUND.load(std::sync::atomic::Ordering::Relaxed)
-        || role == unsafe { pg_sys::GetSessionUserId() }
+    match BOUND_ROLE_OID.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => !unsafe { pg_sys::IsBackgroundWorker },
+        bound => role.to_u32() == bound,
+    }
 }
 
-/// Whether the role named `role` is the one this session may run handlers as (see
-/// `session_may_run_as`); in a transaction.
-pub fn session_may_run_as_named(role: &str) -> bool {
+/// Whether a session bound to a role (if it is) may go on serving the role named `role`: while
+/// the name names its bound role; in a transaction. Takes in other sessions' catalog changes
+/// first (a transaction already holding its locks takes in none by itself).
+pub fn session_may_serve_named(role: &str) -> bool {
+    let bound = BOUND_ROLE_OID.load(std::sync::atomic::Ordering::Relaxed);
+    if bound == 0 {
+        return true;
+    }
     let Ok(name) = std::ffi::CString::new(role) else { return false };
-    session_may_run_as(unsafe { pg_sys::get_role_oid(name.as_ptr(), true) })
+    unsafe {
+        pg_sys::AcceptInvalidationMessages();
+        pg_sys::get_role_oid(name.as_ptr(), true).to_u32() == bound
+    }
 }
 
 /// How long the background worker's own statements wait for a lock before they give up, so that

@@ -15,7 +15,7 @@ use crate::failure::FailureCode;
 use crate::lease;
 use crate::metrics::{self, Counter, Tally};
 use crate::privilege::{
-    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Unbound,
+    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Binding,
 };
 use crate::retention;
 use crate::runner::{self, TakenOver, RUNNER_TYPE};
@@ -101,6 +101,8 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
                  created again; it restarts"
             );
             give_back_claimed_ahead(&worker_id);
+            // Its runner would hold a slot until idle: the new worker may need one at once.
+            runner::retire_runner(number);
             unsafe { pg_sys::proc_exit(1) };
         }
         let claimed_ahead = CLAIMED_AHEAD.with(|ahead| !ahead.borrow().jobs.is_empty());
@@ -208,7 +210,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         report_statistics();
     };
     runner::serve_handovers(number, between_batches, |handover| {
-        bind_session_user_to(&bound_role(&handover.role));
+        bind_session_to(&bound_role(&handover.role), None);
         let worker_id = format!("durable_jobs-worker-{}", handover.worker_number);
         let leases = in_transaction_or_logged("taking over a batch", || {
             BackgroundWorker::transaction(|| {
@@ -331,9 +333,9 @@ thread_local! {
     /// The role whose handlers this session runs: that of the first batch a worker ran, of the
     /// first hand-over a runner took.
     static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
-    /// Whether this session's user was made `BOUND_ROLE` (`bind_session_user_to`); None while it
-    /// may still be: not tried yet, or the role did not exist.
-    static SESSION_USER_BOUND: Cell<Option<bool>> = const { Cell::new(None) };
+    /// Whether this session was bound to `BOUND_ROLE`'s oid (`bind_session_to`): false while
+    /// that role did not exist.
+    static SESSION_BOUND: Cell<bool> = const { Cell::new(false) };
     /// Set by a claim that found the bound role's name naming another role now (renamed, or
     /// dropped and created again): the worker ends, to start again with a new session.
     static BOUND_ROLE_MOVED: Cell<bool> = const { Cell::new(false) };
@@ -527,7 +529,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                 let bound = bound_role(role);
                 // Counted as claimed once it runs: a job given back is claimed again later.
                 let taken = if *role == bound {
-                    bind_session_user_to(role);
+                    bind_session_to(role, Some(WORKER_TYPE));
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
                     run_batch(
@@ -554,35 +556,30 @@ fn bound_role(role: &str) -> String {
     BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.to_owned()).clone())
 }
 
-/// Makes the bound role the session's user before the session runs its handlers, so that a
-/// handler sees its enqueuer as `session_user`, never the worker's login role. Tried again
-/// before each batch while that role does not exist; a login role that is not a superuser
-/// cannot, which is logged once.
-fn bind_session_user_to(role: &str) {
-    if SESSION_USER_BOUND.get().is_some() {
+/// Binds the session to its bound role's oid, and makes that role the session's user, before
+/// the session runs its handlers (`privilege::bind_session_to_role`); tried again before each
+/// of its batches while that role does not exist. A worker (`log_as`) whose login role is not a
+/// superuser logs once that its handlers see that role as `session_user`.
+fn bind_session_to(role: &str, log_as: Option<&str>) {
+    if SESSION_BOUND.get() {
         return;
     }
-    let outcome = in_transaction_or_logged("making the bound role the session's user", || {
-        BackgroundWorker::transaction(|| crate::privilege::bind_session_user(role))
+    let binding = in_transaction_or_logged("binding the session to its role", || {
+        BackgroundWorker::transaction(|| crate::privilege::bind_session_to_role(role))
     });
-    let bound = match outcome {
-        Some(Ok(())) => Some(true),
-        Some(Err(Unbound::LoginNotSuperuser)) => {
-            log!(
-                "{WORKER_TYPE}: the worker's login role (durable_jobs.worker_role) is not a superuser, so \
-                 handlers see it as session_user: give it no rights of its own"
-            );
-            Some(false)
-        }
-        _ => None,
-    };
-    SESSION_USER_BOUND.set(bound);
+    if let (Some(Binding::BoundLoginNotSuperuser), Some(who)) = (binding, log_as) {
+        log!(
+            "{who}: its login role (durable_jobs.worker_role) is not a superuser, so handlers see it as \
+             session_user: give it no rights of its own"
+        );
+    }
+    SESSION_BOUND.set(matches!(binding, Some(Binding::Bound | Binding::BoundLoginNotSuperuser)));
 }
 
 /// Whether this session still runs its bound role's handlers: while the role's name names the
-/// role its user was made (see `privilege::session_may_run_as`); in a transaction.
+/// role it was bound to (see `privilege::session_may_serve_named`); in a transaction.
 fn session_serves_bound_role() -> bool {
-    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::privilege::session_may_run_as_named))
+    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::privilege::session_may_serve_named))
 }
 
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
@@ -667,10 +664,31 @@ fn renew_after_rollback(waiting: &[(i64, Uuid)], worker_id: &str, lease_seconds:
     }
 }
 
-/// Gives claimed jobs that never started back to the queue, with their attempts.
+/// Gives claimed jobs that never started back to the queue, with their attempts. Tried again
+/// while the job table is locked (what may have kept them from running, a `LOCK TABLE` say), for
+/// up to a third of a lease; after that, or another error, they are left to their leases.
 fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
-    if !jobs.is_empty() {
-        in_worker_transaction("giving jobs back", || lease::release_unstarted(jobs, worker_id));
+    if jobs.is_empty() {
+        return;
+    }
+    let lease_length = Duration::from_secs(settings::default_lease_seconds().max(1) as u64);
+    let deadline = Instant::now() + lease_length / 3;
+    loop {
+        let outcome = in_transaction(|| {
+            BackgroundWorker::transaction(|| {
+                with_worker_settings(|| lease::release_unstarted(jobs, worker_id))
+            })
+        });
+        match outcome {
+            Err(sqlstate) if sqlstate == "55P03" && Instant::now() < deadline => {
+                log!("{WORKER_TYPE}: giving jobs back waited for a lock past the lock timeout; trying again");
+            }
+            Err(sqlstate) => {
+                log!("{WORKER_TYPE}: giving jobs back failed with SQLSTATE {sqlstate}; rolled back");
+                return;
+            }
+            Ok(()) => return,
+        }
     }
 }
 
