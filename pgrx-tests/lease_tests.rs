@@ -499,6 +499,11 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         ("renew", crate::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
         ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
         ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
+        (
+            "renew after a rollback within a limit",
+            crate::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            with(many(), vec![60.0f64.into()]),
+        ),
         ("held", crate::lease::HELD_LEASES, many()),
         ("release", crate::lease::RELEASE_UNSTARTED, many()),
         ("complete batch", crate::lease::COMPLETE_BATCH, many()),
@@ -702,6 +707,40 @@ fn the_load_of_a_batch_checks_each_handler_once() {
 /// a lapsed lease under its owner and token (taken by no one) is renewed, for a whole lease; one
 /// reclaimed by another worker (a new token), cancelled, completed or ended by the expiry of
 /// exhausted leases is not.
+#[pg_test]
+fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
+    // Reviving a lapsed lease starts its job again: a queue limited to 2 that others filled
+    // meanwhile gets none of them back, and one of them once a place is free. Failed before (a
+    // review): both came back, four jobs of the queue running.
+    for _ in 0..4 {
+        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited')").unwrap();
+    }
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2)").unwrap();
+    let ours = [claim("w").unwrap(), claim("w").unwrap()];
+    Spi::run(&format!(
+        "UPDATE durable_jobs.durable_job SET lease_expires_at = now() - interval '1 minute' WHERE job_id IN ({}, {})",
+        ours[0].0, ours[1].0
+    ))
+    .unwrap();
+    // Ahead of ours in claim order: another worker takes them, not ours.
+    Spi::run("UPDATE durable_jobs.durable_job SET priority = 10 WHERE job_state = 'available'").unwrap();
+    let theirs = [claim("other").unwrap(), claim("other").unwrap()];
+    assert!(ours.iter().all(|(ours, _)| theirs.iter().all(|(theirs, _)| ours != theirs)), "new jobs, not ours");
+    assert_eq!(crate::lease::renew_leases_after_rollback(&ours, "w", 60), vec![], "the queue is full");
+    assert_eq!(
+        Spi::get_one_with_args::<&str>(
+            "SELECT durable_jobs.complete_durable_job($1, 'other', $2)",
+            &[theirs[0].0.into(), theirs[0].1.into()],
+        )
+        .unwrap(),
+        Some("succeeded")
+    );
+    let renewed = crate::lease::renew_leases_after_rollback(&ours, "w", 60);
+    assert_eq!(renewed.iter().map(|(job_id, _)| *job_id).collect::<Vec<_>>(), [ours[0].0], "one place was free");
+    let running = Spi::get_one::<i64>("SELECT durable_jobs.durable_job_queue_running('limited')").unwrap();
+    assert_eq!(running, Some(2));
+}
+
 #[pg_test]
 fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
     for _ in 0..4 {

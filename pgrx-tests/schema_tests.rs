@@ -172,7 +172,7 @@ fn every_function_pins_search_path_and_declares_volatility() {
                    AND p.proname <> ALL ($1)
                  ORDER BY 1",
                 None,
-                &[crate::constraints::C_FUNCTIONS.to_vec().into()],
+                &[crate::constraints::C_FUNCTIONS.iter().chain(&crate::queues::C_FUNCTIONS).copied().collect::<Vec<_>>().into()],
             )
             .unwrap()
             .map(|row| row.get::<String>(1).unwrap().unwrap())

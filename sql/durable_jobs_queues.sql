@@ -17,15 +17,23 @@ COMMENT ON TABLE durable_jobs.durable_job_queue IS
     'Queue controls. Write through pause_durable_job_queue, resume_durable_job_queue and '
     'set_durable_job_queue_concurrency.';
 
--- Jobs of a queue that hold a live lease. VOLATILE: it reads clock_timestamp().
+-- Whether a row version of the job table is held by another transaction in progress (an update
+-- or a row lock not yet committed): a C function of the library (src/queues.rs).
+CREATE FUNCTION durable_jobs.durable_job_row_held(row_version pg_catalog.tid)
+    RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL SAFE
+    AS 'MODULE_PATHNAME', 'durable_job_row_held';
+
+-- Jobs of a queue that run: hold a live lease, or a lapsed one while another transaction holds
+-- their row (a worker's batch renews its later jobs' leases in its own transaction, and runs
+-- them past the leases its claim committed). VOLATILE: it reads clock_timestamp().
 CREATE FUNCTION durable_jobs.durable_job_queue_running(queue pg_catalog.text)
     RETURNS pg_catalog.int8
     LANGUAGE sql VOLATILE PARALLEL SAFE
     SET search_path = pg_catalog, pg_temp
 AS $body$
-    SELECT pg_catalog.count(*) FROM durable_jobs.durable_job j
+    SELECT pg_catalog.count(*) FROM ONLY durable_jobs.durable_job j
     WHERE j.queue_name = queue AND j.job_state = 'running'
-      AND j.lease_expires_at > pg_catalog.clock_timestamp()
+      AND (j.lease_expires_at > pg_catalog.clock_timestamp() OR durable_jobs.durable_job_row_held(j.ctid))
 $body$;
 
 -- Whether a limited queue can take one more running job, asked by claims for each candidate

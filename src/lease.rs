@@ -296,10 +296,30 @@ macro_rules! live_leases_locked {
     };
 }
 
-// `leases_locked`, lapsed or not.
+// `leases_locked`: live, or lapsed in a queue without a concurrency limit (reviving a lapsed
+// lease starts a job again, which a limit must allow: `held_lease_within_limit_locked`).
 macro_rules! held_leases_locked {
     ($lock:literal) => {
-        leases_locked!("", $lock)
+        leases_locked!(
+            "
+                  AND (x.lease_expires_at > pg_catalog.clock_timestamp()
+                       OR NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL))",
+            $lock
+        )
+    };
+}
+
+// `leases_locked`, for one lease, lapsed or not, while its queue has room for one more running
+// job, under the queue's lock as a claim asks it (one job per statement: a statement does not
+// see its own revivals).
+macro_rules! held_lease_within_limit_locked {
+    ($lock:literal) => {
+        leases_locked!(
+            "
+                  AND durable_jobs.durable_job_queue_has_capacity(x.queue_name)",
+            $lock
+        )
     };
 }
 
@@ -327,6 +347,8 @@ pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(live_leases_
 // under the worker's owner and token was taken by no one (a reclaim, a cancel, an expiry and a
 // completion all change or clear the token), so it is the worker's to renew, as if in time.
 pub(crate) const RENEW_AFTER_ROLLBACK: &str = renew_statement!(held_leases_locked, " SKIP LOCKED");
+pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str =
+    renew_statement!(held_lease_within_limit_locked, " SKIP LOCKED");
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
 // runs it skipping held rows first, then for each held row alone, under its short wait for it
@@ -711,13 +733,20 @@ pub fn renew_leases(
 }
 
 /// `renew_leases` (skipping held rows) after the transaction that renewed them last failed:
-/// also the leases that lapsed meanwhile and no one took (RENEW_AFTER_ROLLBACK).
+/// also the leases that lapsed meanwhile and no one took (RENEW_AFTER_ROLLBACK), those of a
+/// queue with a concurrency limit one at a time while it has room (others may have filled it).
 pub fn renew_leases_after_rollback(
     jobs: &[(i64, Uuid)],
     worker_id: &str,
     lease_seconds: i32,
 ) -> Vec<(i64, i64)> {
-    over_leases(RENEW_AFTER_ROLLBACK, jobs, worker_id, Some(f64::from(lease_seconds).into()))
+    let lease = || Some(f64::from(lease_seconds).into());
+    let mut renewed = over_leases(RENEW_AFTER_ROLLBACK, jobs, worker_id, lease());
+    let ids: Vec<i64> = renewed.iter().map(|(id, _)| *id).collect();
+    for job in jobs.iter().filter(|(id, _)| !ids.contains(id)) {
+        renewed.extend(over_leases::<i64>(RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, &[*job], worker_id, lease()));
+    }
+    renewed
 }
 
 /// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns the ids of those

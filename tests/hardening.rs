@@ -435,6 +435,49 @@ fn a_held_queue_lock_stalls_no_claim() {
 }
 
 #[test]
+fn a_batch_running_past_its_committed_leases_still_fills_its_queues_limit() {
+    // One worker batch: a job of an open queue (a nap of 2 s), then two of a queue limited to
+    // 2 (naps too), all leased for 3 s. After the first nap the worker renews the other two in
+    // the batch's transaction, and runs them past the leases the claim committed. Their rows
+    // are held by that transaction, so they still fill the limit: an external claim of the
+    // limited queue's third job takes nothing until the batch commits. Failed before
+    // (helper-47's review): lapsed leases no longer counted, and the external claim ran a third
+    // job of the queue beside the batch's two.
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 3\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(2) $$;
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);
+             BEGIN;
+             SELECT durable_jobs.enqueue_durable_job('nap', '{}', NULL, 'open', priority => 10);
+             SELECT durable_jobs.enqueue_durable_job('nap', '{}', NULL, 'limited') FROM generate_series(1, 2);
+             SELECT durable_jobs.enqueue_durable_job('elsewhere', '{}', NULL, 'limited');
+             COMMIT;",
+        )
+        .unwrap();
+    let lapsed = "SELECT count(*) FROM durable_jobs.durable_job
+                  WHERE queue_name = 'limited' AND job_state = 'running' AND lease_expires_at < clock_timestamp()";
+    wait_until(Duration::from_secs(20), "the limited jobs' committed leases to lapse", || {
+        count(&mut client, lapsed) == 2
+    });
+    let external_claim = "SELECT count(*) FROM durable_jobs.claim_next_durable_job('ext', ARRAY['limited'])";
+    assert_eq!(count(&mut client, external_claim), 0, "{}", cluster.server_log());
+    // The batch was still running: the claim met its rows.
+    assert_eq!(count(&mut client, lapsed), 2, "{}", cluster.server_log());
+    wait_until(Duration::from_secs(20), "the batch to commit", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 3
+    });
+    // A claim that meets the worker's idle claim of the queue (its lock) takes nothing: again.
+    wait_until(Duration::from_secs(20), "the external claim to take the job", || {
+        count(&mut client, external_claim) == 1
+    });
+}
+
+#[test]
 fn a_bad_job_fails_alone_and_the_worker_survives() {
     // REPEATABLE READ as the configured default: the worker's fences must still behave.
     let cluster = Cluster::start(&format!(
