@@ -15,8 +15,10 @@
 //! the runner (it ends) and starts a new one; an idle runner ends after a while. A runner takes a
 //! hand-over only if it is for its own role and from the worker process that started it: a
 //! runner left over from a worker that restarted, or bound to another role, ends instead.
-//! A bound session also makes its role the session's user (`session_user`, where the worker logs
-//! in as a superuser), so that no handler sees the worker's login role there.
+//! A session is bound to the role itself (its oid: a role renamed, or dropped and created again
+//! under its name, is another role, for which the runner ends and the worker restarts), and
+//! makes it the session's user (`session_user`, where the worker logs in as a superuser), so that
+//! no handler sees the worker's login role there.
 
 use crate::settings::WORKER_COUNT_LIMIT;
 use crate::wakeup::{my_procno_plus_one, past_cancels, set_latch_of, sleep_on_latch};
@@ -128,8 +130,8 @@ pub enum NotRun {
     /// The runner ended while it worked on the batch; its leases expire.
     Lost,
     /// The runner took the batch but could not take its leases over (its transaction failed,
-    /// logged: a cancel, a lock timeout; or the extension was being updated): no handler of it
-    /// started, and it renewed nothing.
+    /// logged: a cancel, a lock timeout; the extension was being updated; or its role's name
+    /// names another role now): no handler of it started, and it renewed nothing.
     Refused,
 }
 

@@ -638,8 +638,8 @@ fn run_batch_in_runner(
             }
             Err(reason @ (runner::NotRun::NoSlot | runner::NotRun::Refused)) => {
                 let why = if let runner::NotRun::Refused = reason {
-                    "a role runner could not take a batch over (its transaction failed, logged, or the \
-                     extension is being updated)"
+                    "a role runner could not take a batch over (its transaction failed, logged; the extension \
+                     is being updated; or its role was renamed)"
                 } else {
                     "no role runner could start (no background worker slot free, see max_worker_processes, \
                      or it ended at start)"
