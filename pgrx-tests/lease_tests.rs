@@ -585,6 +585,12 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
         ("renew", crate::lease::RENEW_BATCH, ", float8", ", 60"),
         ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
         ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
+        (
+            "renew after a rollback within a limit",
+            crate::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            ", float8",
+            ", 60",
+        ),
         ("held", crate::lease::HELD_LEASES, "", ""),
         ("release", crate::lease::RELEASE_UNSTARTED, "", ""),
         ("complete batch", crate::lease::COMPLETE_BATCH, "", ""),
@@ -703,10 +709,6 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     assert_eq!(runnable, [Some(true), Some(true), Some(true), Some(true), Some(false)], "the unregistered kind last");
 }
 
-/// After a failed run transaction the worker renews the leases it still holds, lapsed or not:
-/// a lapsed lease under its owner and token (taken by no one) is renewed, for a whole lease; one
-/// reclaimed by another worker (a new token), cancelled, completed or ended by the expiry of
-/// exhausted leases is not.
 #[pg_test]
 fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     // Reviving a lapsed lease starts its job again: a queue limited to 2 that others filled
@@ -741,6 +743,10 @@ fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     assert_eq!(running, Some(2));
 }
 
+/// After a failed run transaction the worker renews the leases it still holds, lapsed or not:
+/// a lapsed lease under its owner and token (taken by no one) is renewed, for a whole lease; one
+/// reclaimed by another worker (a new token), cancelled, completed or ended by the expiry of
+/// exhausted leases is not.
 #[pg_test]
 fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
     for _ in 0..4 {

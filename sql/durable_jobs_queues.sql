@@ -4,7 +4,8 @@
 CREATE TABLE durable_jobs.durable_job_queue (
     queue_name        pg_catalog.text PRIMARY KEY,
     paused            pg_catalog.bool NOT NULL DEFAULT false,
-    -- At most this many jobs of the queue run (hold a live lease) at once; NULL: no limit.
+    -- At most this many jobs of the queue run at once (hold a live lease, or a lapsed one whose
+    -- row another transaction holds); NULL: no limit.
     concurrency_limit pg_catalog.int4 CHECK (concurrency_limit BETWEEN 1 AND 100000),
     changed_by        pg_catalog.name NOT NULL,
     changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now()

@@ -310,13 +310,16 @@ macro_rules! held_leases_locked {
     };
 }
 
-// `leases_locked`, for one lease, lapsed or not, while its queue has room for one more running
-// job, under the queue's lock as a claim asks it (one job per statement: a statement does not
-// see its own revivals).
+// `leases_locked`, for one lapsed lease of a queue with a concurrency limit, while the queue has
+// room for one more running job, under the queue's lock as a claim asks it (one job per
+// statement: a statement does not see its own revivals).
 macro_rules! held_lease_within_limit_locked {
     ($lock:literal) => {
         leases_locked!(
             "
+                  AND x.lease_expires_at <= pg_catalog.clock_timestamp()
+                  AND EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                              WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL)
                   AND durable_jobs.durable_job_queue_has_capacity(x.queue_name)",
             $lock
         )
@@ -382,8 +385,11 @@ pub(crate) const HELD_LEASES: &str = "
     ORDER BY c.position";
 
 // Gives claimed jobs that never started back, with their attempt: available again in a second.
-// Only the background worker runs it, which waits for a schema of its own version.
+// Only the background worker runs it, which waits for a schema of its own version. A row another
+// session holds (its enqueuer cancelling it, say) is skipped, left to its lease: the statement
+// waits only for a lock on the whole table.
 pub(crate) const RELEASE_UNSTARTED: &str = concat!(
+    live_leases_locked!(" SKIP LOCKED"),
     "
     UPDATE durable_jobs.durable_job j
     SET job_state = 'available', attempt_count = j.attempt_count - 1, ",
@@ -392,10 +398,7 @@ pub(crate) const RELEASE_UNSTARTED: &str = concat!(
         run_after = pg_catalog.clock_timestamp() + interval '1 second', ",
     release_lease!(),
     "
-    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
-         AS c(job_id, lease_token)
-    WHERE j.job_id = c.job_id AND j.lease_token = c.lease_token AND j.job_id = ANY ($1)
-      AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()"
+    FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)"
 );
 
 // $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that

@@ -205,15 +205,19 @@ pub fn bind_session_to_role(role: &str) -> Binding {
     if oid == pg_sys::Oid::INVALID {
         return Binding::NoSuchRole;
     }
-    BOUND_ROLE_OID.store(oid.to_u32(), std::sync::atomic::Ordering::Relaxed);
-    unsafe {
-        // PostgreSQL 17 has no GetAuthenticatedUserIsSuperuser; its own check reads it so.
-        if !pg_sys::superuser_arg(pg_sys::GetAuthenticatedUserId()) {
-            return Binding::BoundLoginNotSuperuser;
-        }
-        pg_sys::SetSessionAuthorization(oid, pg_sys::superuser_arg(oid));
+    // PostgreSQL 17 has no GetAuthenticatedUserIsSuperuser; its own check reads it so.
+    let login_is_superuser = unsafe { pg_sys::superuser_arg(pg_sys::GetAuthenticatedUserId()) };
+    if login_is_superuser {
+        // Raises if it cannot (before 15.9, by the superuser flag cached at login): then the
+        // session stays unbound, and runs no handler (`session_may_run_as`).
+        unsafe { pg_sys::SetSessionAuthorization(oid, pg_sys::superuser_arg(oid)) };
     }
-    Binding::Bound
+    BOUND_ROLE_OID.store(oid.to_u32(), std::sync::atomic::Ordering::Relaxed);
+    if login_is_superuser {
+        Binding::Bound
+    } else {
+        Binding::BoundLoginNotSuperuser
+    }
 }
 
 /// Whether this session may run a handler as `role`: a worker's or runner's session only once

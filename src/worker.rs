@@ -664,9 +664,10 @@ fn renew_after_rollback(waiting: &[(i64, Uuid)], worker_id: &str, lease_seconds:
     }
 }
 
-/// Gives claimed jobs that never started back to the queue, with their attempts. Tried again
-/// while the job table is locked (what may have kept them from running, a `LOCK TABLE` say), for
-/// up to a third of a lease; after that, or another error, they are left to their leases.
+/// Gives claimed jobs that never started back to the queue, with their attempts; one whose row
+/// another session holds is left to its lease. Tried again while the job table is locked (what
+/// may have kept them from running, a `LOCK TABLE` say: the statement waits for no row), for up
+/// to a third of a lease; after that, or another error, they are left to their leases.
 fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
     if jobs.is_empty() {
         return;

@@ -1512,6 +1512,48 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
 }
 
 #[test]
+fn a_batch_given_back_leaves_only_a_row_another_session_holds_to_its_lease() {
+    // Room for the worker only: one claim takes app_a's job (a nap, run by the worker) and two of
+    // app_b's, which find no role runner and go back to the queue. While app_a's job naps, a
+    // session holds the first of app_b's rows. The give-back skips that row and gives the other
+    // job back at once. Failed before: the give-back waited for the held row, gave up on the
+    // lock timeout and tried again for a third of a lease, giving back neither.
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\ndurable_jobs.claim_batch_size = 10\n"
+    ));
+    admin.batch_execute(NOTE_HANDLER).unwrap();
+    admin
+        .batch_execute(
+            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(2) $$;
+             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
+        )
+        .unwrap();
+    let mut app_a = cluster.connect_as("app_a");
+    let mut app_b = cluster.connect_as("app_b");
+    let mut holder = cluster.connect();
+    enqueue(&mut app_a, "note");
+    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
+    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
+    enqueue(&mut app_a, "nap");
+    let held = enqueue(&mut app_b, "note");
+    let given_back = enqueue(&mut app_b, "note");
+    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
+    let worker_naps = "SELECT count(*) FROM pg_stat_activity
+                       WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'";
+    wait_until(Duration::from_secs(20), "the worker's nap", || count(&mut admin, worker_naps) == 1);
+    let mut holding = holder.transaction().unwrap();
+    holding.execute("SELECT 1 FROM durable_jobs.durable_job WHERE job_id = $1 FOR SHARE", &[&held]).unwrap();
+    wait_until(Duration::from_secs(10), "app_b's other job to go back to the queue", || {
+        job_outcome(&mut admin, &format!("job_id = {given_back}")) == ("available".to_owned(), None, 0)
+    });
+    assert_eq!(job_outcome(&mut admin, &format!("job_id = {held}")).0, "running", "left to its lease");
+    holding.commit().unwrap();
+    let log = cluster.server_log();
+    assert!(log.contains("no role runner could start"), "{log}");
+    assert!(!log.contains("giving jobs back"), "no give-back waited or failed: {log}");
+}
+
+#[test]
 fn the_writes_of_the_worker_and_of_role_runners_reach_the_statistics() {
     // Autovacuum decides from the cumulative statistics; a background worker's counts reach
     // them only when it reports them (PostgreSQL does it for it at exit only). app_a's jobs
