@@ -1511,16 +1511,16 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     assert!(log.contains("leaves no sure room for role runners"), "the worker warned at start");
 }
 
-#[test]
-fn a_batch_given_back_leaves_only_a_row_another_session_holds_to_its_lease() {
-    // Room for the worker only: one claim takes app_a's job (a nap, run by the worker) and two of
-    // app_b's, which find no role runner and go back to the queue. While app_a's job naps, a
-    // session holds the first of app_b's rows. The give-back skips that row and gives the other
-    // job back at once. Failed before: the give-back waited for the held row, gave up on the
-    // lock timeout and tried again for a third of a lease, giving back neither.
-    let (cluster, mut admin) = cluster_with_app_roles(&format!(
-        "{WORKER_CONF}max_worker_processes = 1\nmax_logical_replication_workers = 0\ndurable_jobs.claim_batch_size = 10\n"
-    ));
+/// A cluster (`extra_conf`, claim_batch_size 10) whose worker is bound to app_a, and one claim
+/// of app_a's job, which naps 2 s in the worker, then `app_b_jobs` jobs of app_b: returns the
+/// cluster, two superuser connections and app_b's job ids while the worker naps (the claim
+/// committed, app_b's batch not handed over yet).
+fn app_bs_jobs_behind_a_nap_of_the_worker(
+    extra_conf: &str,
+    app_b_jobs: usize,
+) -> (Cluster, Client, Client, Vec<i64>) {
+    let (cluster, mut admin) =
+        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n{extra_conf}"));
     admin.batch_execute(NOTE_HANDLER).unwrap();
     admin
         .batch_execute(
@@ -1530,17 +1530,31 @@ fn a_batch_given_back_leaves_only_a_row_another_session_holds_to_its_lease() {
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
-    let mut holder = cluster.connect();
+    let other = cluster.connect();
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
     enqueue(&mut app_a, "nap");
-    let held = enqueue(&mut app_b, "note");
-    let given_back = enqueue(&mut app_b, "note");
+    let ids = (0..app_b_jobs).map(|_| enqueue(&mut app_b, "note")).collect();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     let worker_naps = "SELECT count(*) FROM pg_stat_activity
                        WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'";
     wait_until(Duration::from_secs(20), "the worker's nap", || count(&mut admin, worker_naps) == 1);
+    (cluster, admin, other, ids)
+}
+
+#[test]
+fn a_batch_given_back_leaves_only_a_row_another_session_holds_to_its_lease() {
+    // Room for the worker only: one claim takes app_a's job (a nap, run by the worker) and two of
+    // app_b's, which find no role runner and go back to the queue. While app_a's job naps, a
+    // session holds the first of app_b's rows. The give-back skips that row and gives the other
+    // job back at once. Failed before: the give-back waited for the held row, gave up on the
+    // lock timeout and tried again for a third of a lease, giving back neither.
+    let (cluster, mut admin, mut holder, app_b_jobs) = app_bs_jobs_behind_a_nap_of_the_worker(
+        "max_worker_processes = 1\nmax_logical_replication_workers = 0\n",
+        2,
+    );
+    let [held, given_back] = app_b_jobs[..] else { unreachable!() };
     let mut holding = holder.transaction().unwrap();
     holding.execute("SELECT 1 FROM durable_jobs.durable_job WHERE job_id = $1 FOR SHARE", &[&held]).unwrap();
     wait_until(Duration::from_secs(10), "app_b's other job to go back to the queue", || {
@@ -1875,28 +1889,8 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
     // lock is gone (no handler of it started), and it runs on its first attempt. Failed before:
     // the worker counted the hand-over as run, and the job stayed running until its lease of
     // 60 s lapsed; and then while the give-back gave up on the same lock.
-    let (cluster, mut admin) =
-        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
-    admin.batch_execute(NOTE_HANDLER).unwrap();
-    admin
-        .batch_execute(
-            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_sleep(2) $$;
-             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
-        )
-        .unwrap();
-    let mut app_a = cluster.connect_as("app_a");
-    let mut app_b = cluster.connect_as("app_b");
-    let mut locker = cluster.connect();
-    enqueue(&mut app_a, "note");
-    wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
-    admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    enqueue(&mut app_a, "nap");
-    let handed = enqueue(&mut app_b, "note");
-    admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    let worker_naps = "SELECT count(*) FROM pg_stat_activity
-                       WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'";
-    wait_until(Duration::from_secs(20), "the worker's nap", || count(&mut admin, worker_naps) == 1);
+    let (cluster, mut admin, mut locker, app_b_jobs) = app_bs_jobs_behind_a_nap_of_the_worker("", 1);
+    let handed = app_b_jobs[0];
     let mut holding = locker.transaction().unwrap();
     // Granted when app_a's batch commits, before the hand-over.
     holding.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE").unwrap();
