@@ -91,9 +91,10 @@ pub const C_FUNCTIONS: [&str; 1] = ["durable_job_row_held"];
 
 /// `durable_jobs.durable_job_row_held(tid)`, a V1 function: whether the job table's row version
 /// at `tid` is held by another transaction still in progress (an update or a row lock neither
-/// committed nor rolled back), as PostgreSQL decides before it waits for a row. A queue's concurrency limit
-/// counts such a running job whose committed lease lapsed (`durable_job_queue_running`): a
-/// worker's batch runs its later jobs on leases renewed in the batch's own transaction.
+/// committed nor rolled back), as PostgreSQL decides before it waits for a row. A queue's
+/// concurrency limit counts such a running job whose committed lease lapsed
+/// (`durable_job_queue_running`): a worker's batch runs its later jobs on leases renewed in the
+/// batch's own transaction.
 #[unsafe(no_mangle)]
 #[doc(hidden)]
 pub extern "C" fn pg_finfo_durable_job_row_held() -> &'static pg_sys::Pg_finfo_record {
