@@ -320,7 +320,13 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
 
 /// `in_transaction`, logging an error (its SQLSTATE, never its text, which may quote data).
 fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
-    match in_transaction(f) {
+    logged(what, in_transaction(f))
+}
+
+/// The result of `what`, or None once its error (the SQLSTATE, as `in_transaction` returns it)
+/// is logged.
+fn logged<R>(what: &str, outcome: Result<R, String>) -> Option<R> {
+    match outcome {
         Ok(result) => Some(result),
         Err(sqlstate) => {
             log!("{WORKER_TYPE}: {what} failed with SQLSTATE {sqlstate}; rolled back");
@@ -675,20 +681,14 @@ fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
     let lease_length = Duration::from_secs(settings::default_lease_seconds().max(1) as u64);
     let deadline = Instant::now() + lease_length / 3;
     loop {
-        let outcome = in_transaction(|| {
-            BackgroundWorker::transaction(|| {
-                with_worker_settings(|| lease::release_unstarted(jobs, worker_id))
-            })
-        });
-        match outcome {
+        match worker_transaction(|| lease::release_unstarted(jobs, worker_id)) {
             Err(sqlstate) if sqlstate == "55P03" && Instant::now() < deadline => {
                 log!("{WORKER_TYPE}: giving jobs back waited for a lock past the lock timeout; trying again");
             }
-            Err(sqlstate) => {
-                log!("{WORKER_TYPE}: giving jobs back failed with SQLSTATE {sqlstate}; rolled back");
+            outcome => {
+                logged("giving jobs back", outcome);
                 return;
             }
-            Ok(()) => return,
         }
     }
 }
@@ -699,7 +699,15 @@ fn in_worker_transaction<R>(
     what: &str,
     f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
 ) -> Option<R> {
-    in_transaction_or_logged(what, || BackgroundWorker::transaction(|| with_worker_settings(f)))
+    logged(what, worker_transaction(f))
+}
+
+/// Runs `f` in a transaction of its own with the worker's settings; an error is rolled back and
+/// returned (its SQLSTATE), as `in_transaction` does.
+fn worker_transaction<R>(
+    f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
+) -> Result<R, String> {
+    in_transaction(|| BackgroundWorker::transaction(|| with_worker_settings(f)))
 }
 
 /// Runs a claimed batch in one transaction; with `ahead`, that transaction claims the next batch
