@@ -2,11 +2,14 @@
 //! outlive the payload.
 
 use crate::arguments;
+use crate::direct_lease;
 use crate::plans;
 use crate::privilege::{as_extension_owner_of, caller, Installed};
 use crate::sql_types::{JsonbArray, JsonbDatum};
+use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
+use std::time::Instant;
 
 // The fingerprint is kept after the payload is cleared, so a finished job still recognises a
 // repeated enqueue, and a replay its payload. jsonb's text form is canonical (key order,
@@ -36,6 +39,48 @@ const INSERT_JOB: &str = insert_job!(" ON CONFLICT DO NOTHING");
 // Without a key a job conflicts with none (its id is drawn from the identity): a plain insert,
 // without ON CONFLICT's speculative insertion and the WAL record that confirms it.
 const INSERT_JOB_WITHOUT_KEY: &str = insert_job!("");
+
+// The same job leased to a sleeping worker ($10 its id, $11 the lease token, $12 the lease in
+// seconds) when the worker's claim would take it now: due, in a queue neither paused nor
+// limited, of a kind whose handler serves its enqueuer (as CLAIM_FOR_WORKER asks); otherwise
+// available, as INSERT_JOB makes it. Written as a claim writes it (see `direct_lease`).
+macro_rules! insert_leased_job {
+    ($on_conflict:literal) => {
+        concat!(
+            "
+            INSERT INTO durable_jobs.durable_job
+                (queue_name, job_kind, payload, idempotency_key, payload_sha256,
+                 priority, run_after, max_attempts, enqueued_by,
+                 job_state, lease_owner, lease_token, lease_expires_at, attempt_count, state_version)
+            SELECT $1, $2, $3, $4,
+                   CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
+                        ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
+                   $5, $6, $7, $8::pg_catalog.name,
+                   CASE WHEN claimable THEN 'running' ELSE 'available' END,
+                   CASE WHEN claimable THEN $10 END,
+                   CASE WHEN claimable THEN $11::pg_catalog.uuid END,
+                   CASE WHEN claimable
+                        THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $12) END,
+                   CASE WHEN claimable THEN 1 ELSE 0 END,
+                   CASE WHEN claimable THEN 2 ELSE 1 END
+            FROM (SELECT $6 <= pg_catalog.clock_timestamp()
+                         AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
+                                         WHERE q.queue_name = $1
+                                           AND (q.paused OR q.concurrency_limit IS NOT NULL))
+                         AND EXISTS (SELECT 1 FROM durable_jobs.durable_job_handler h
+                                     WHERE h.job_kind = $2
+                                       AND (h.registered_by = $8::pg_catalog.name
+                                            OR durable_jobs.durable_job_handler_serves(
+                                                   h.registered_by::pg_catalog.text, $8::pg_catalog.text)))
+                  AS claimable) AS lease",
+            $on_conflict,
+            "
+            RETURNING job_id, job_state = 'running'"
+        )
+    };
+}
+const INSERT_LEASED_JOB: &str = insert_leased_job!(" ON CONFLICT DO NOTHING");
+const INSERT_LEASED_JOB_WITHOUT_KEY: &str = insert_leased_job!("");
 
 // The caller's own job first; another role's only under the 0.2.0 index.
 const FIND_BY_KEY: &str = "
@@ -134,10 +179,37 @@ impl JobTemplate {
         if let Some((Some(_), _)) = existing {
             key_used_by_another_job();
         }
-        let statement = if idempotency_key.is_some() { INSERT_JOB } else { INSERT_JOB_WITHOUT_KEY };
-        let inserted = plans::execute(client, statement, &args);
-        if !inserted.is_empty() {
-            return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
+        direct_lease::another_job_follows();
+        let lease = if installed.at_library_version { direct_lease::reserve_sleeping_worker() } else { None };
+        if let Some(lease) = lease {
+            let (leased_at, inserted) = (unsafe { pgrx::pg_sys::GetCurrentTimestamp() }, Instant::now());
+            let statement =
+                if idempotency_key.is_some() { INSERT_LEASED_JOB } else { INSERT_LEASED_JOB_WITHOUT_KEY };
+            let lease_args = [
+                lease.worker_id.as_str().into(),
+                lease.lease_token.into(),
+                f64::from(lease.lease_seconds).into(),
+            ];
+            let args: Vec<DatumWithOid> = args.into_iter().chain(lease_args).collect();
+            let rows = plans::execute(client, statement, &args);
+            let row = (!rows.is_empty()).then(|| rows.first().get_two::<i64, bool>().expect("job_id"));
+            match row {
+                Some((Some(job_id), Some(true))) => {
+                    direct_lease::leased(job_id, &lease, &self.enqueued_by, leased_at, inserted);
+                    return job_id;
+                }
+                Some((Some(job_id), _)) => {
+                    direct_lease::not_leased();
+                    return job_id;
+                }
+                _ => direct_lease::not_leased(),
+            }
+        } else {
+            let statement = if idempotency_key.is_some() { INSERT_JOB } else { INSERT_JOB_WITHOUT_KEY };
+            let inserted = plans::execute(client, statement, &args);
+            if !inserted.is_empty() {
+                return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
+            }
         }
         // A concurrent enqueue took the key meanwhile; ON CONFLICT waited for it, so its row is
         // visible now.
@@ -271,6 +343,7 @@ fn enqueue_durable_jobs(
             // Without keys: one statement for the whole batch.
             None => {
                 require_intake_enabled();
+                direct_lease::another_job_follows();
                 let args = [
                     template.queue_name.as_str().into(),
                     template.job_kind.as_str().into(),

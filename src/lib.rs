@@ -16,6 +16,7 @@ use pgrx::prelude::*;
 
 mod arguments;
 mod constraints;
+mod direct_lease;
 mod enqueue;
 mod execution;
 mod failure;
@@ -56,6 +57,7 @@ pub extern "C-unwind" fn _PG_init() {
         settings::register_postmaster_settings();
         metrics::init_shared_memory();
         wakeup::init_shared_memory();
+        direct_lease::init_shared_memory();
         runner::init_shared_memory();
         waiters::init_shared_memory();
         hooks::install();

@@ -54,6 +54,8 @@ pub struct Installed {
     pub owner: pg_sys::Oid,
     /// The schema has the status API's columns and tables (0.4.0 on).
     pub has_status_api: bool,
+    /// The schema is this library's version (what the background workers wait for).
+    pub at_library_version: bool,
 }
 
 /// The extension's pg_extension row, as `installed_row` reads it.
@@ -138,6 +140,7 @@ impl From<&InstalledRow> for Installed {
         Installed {
             owner: row.owner,
             has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&row.version.as_str()),
+            at_library_version: row.version == env!("CARGO_PKG_VERSION"),
         }
     }
 }

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 pub const HANDOFF_JOBS: usize = 256;
 
 /// A role's name as the hand-over carries it (NAMEDATALEN bytes, NUL-terminated).
-const ROLE_WORDS: usize = pg_sys::NAMEDATALEN as usize / 8;
+pub(crate) const ROLE_WORDS: usize = pg_sys::NAMEDATALEN as usize / 8;
 
 pub const RUNNER_TYPE: &str = "durable_jobs role runner";
 
@@ -112,6 +112,35 @@ pub fn init_shared_memory() {
 
 fn handoff_of(number: i32) -> &'static Handoff {
     &HANDOFFS.get().0[(number - 1) as usize]
+}
+
+/// A lease token in two words of shared memory (relaxed: the caller orders the stores).
+pub(crate) fn store_token(words: &[AtomicU64; 2], token: Uuid) {
+    let bytes = token.as_bytes();
+    words[0].store(u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")), Ordering::Relaxed);
+    words[1].store(u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes")), Ordering::Relaxed);
+}
+
+/// The lease token `store_token` stored.
+pub(crate) fn load_token(words: &[AtomicU64; 2]) -> Uuid {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&words[0].load(Ordering::Relaxed).to_le_bytes());
+    bytes[8..].copy_from_slice(&words[1].load(Ordering::Relaxed).to_le_bytes());
+    Uuid::from_bytes(bytes)
+}
+
+/// A role's name in shared memory (relaxed, as `store_token`).
+pub(crate) fn store_role(words: &[AtomicU64; ROLE_WORDS], role: &str) {
+    for (word, value) in words.iter().zip(role_words(role)) {
+        word.store(value, Ordering::Relaxed);
+    }
+}
+
+/// The role's name `store_role` stored.
+pub(crate) fn load_role(words: &[AtomicU64; ROLE_WORDS]) -> String {
+    let bytes: Vec<u8> = words.iter().flat_map(|word| word.load(Ordering::Relaxed).to_le_bytes()).collect();
+    let length = bytes.iter().position(|byte| *byte == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..length]).into_owned()
 }
 
 fn role_words(role: &str) -> [u64; ROLE_WORDS] {
@@ -212,15 +241,9 @@ pub fn run_in_runner(
     std::sync::atomic::fence(Ordering::Release);
     for (index, (job_id, token)) in leases.iter().enumerate() {
         handoff.job_ids[index].store(*job_id, Ordering::Relaxed);
-        let bytes = token.as_bytes();
-        let halves =
-            [&bytes[..8], &bytes[8..]].map(|half| u64::from_le_bytes(half.try_into().expect("8 bytes")));
-        handoff.tokens[index][0].store(halves[0], Ordering::Relaxed);
-        handoff.tokens[index][1].store(halves[1], Ordering::Relaxed);
+        store_token(&handoff.tokens[index], *token);
     }
-    for (word, value) in handoff.role.iter().zip(role_words(role)) {
-        word.store(value, Ordering::Relaxed);
-    }
+    store_role(&handoff.role, role);
     handoff.lease_seconds.store(lease_seconds, Ordering::Relaxed);
     handoff.batch_len.store(batch.len().min(HANDOFF_JOBS), Ordering::Relaxed);
     handoff.total_len.store(leases.len(), Ordering::Relaxed);
@@ -432,20 +455,12 @@ fn read_handover(number: i32, handoff: &Handoff) -> Handover {
     let total = handoff.total_len.load(Ordering::Relaxed);
     let batch_len = handoff.batch_len.load(Ordering::Relaxed).min(total);
     let leases: Vec<(i64, Uuid)> = (0..total)
-        .map(|index| {
-            let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&handoff.tokens[index][0].load(Ordering::Relaxed).to_le_bytes());
-            bytes[8..].copy_from_slice(&handoff.tokens[index][1].load(Ordering::Relaxed).to_le_bytes());
-            (handoff.job_ids[index].load(Ordering::Relaxed), Uuid::from_bytes(bytes))
-        })
+        .map(|index| (handoff.job_ids[index].load(Ordering::Relaxed), load_token(&handoff.tokens[index])))
         .collect();
     let (batch, later) = leases.split_at(batch_len);
-    let role_bytes: Vec<u8> =
-        handoff.role.iter().flat_map(|word| word.load(Ordering::Relaxed).to_le_bytes()).collect();
-    let role_length = role_bytes.iter().position(|byte| *byte == 0).unwrap_or(role_bytes.len());
     Handover {
         worker_number: number,
-        role: String::from_utf8_lossy(&role_bytes[..role_length]).into_owned(),
+        role: load_role(&handoff.role),
         batch: batch.to_vec(),
         later: later.to_vec(),
         lease_seconds: handoff.lease_seconds.load(Ordering::Relaxed),

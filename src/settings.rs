@@ -220,3 +220,10 @@ pub fn poll_interval() -> std::time::Duration {
 pub fn default_lease_seconds() -> i32 {
     LEASE_DURATION.get().min(MAX_LEASE_DURATION.get())
 }
+
+/// As PostgreSQL's `SyncStandbysDefined()`, from this session's settings: a reload that names
+/// standbys reaches a worker before its next poll.
+pub fn synchronous_standbys_configured() -> bool {
+    let names = unsafe { pg_sys::SyncRepStandbyNames };
+    !names.is_null() && unsafe { *names } != 0
+}

@@ -10,6 +10,7 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
+use crate::direct_lease;
 use crate::execution::{self, ClaimedRow, ClaimedRows, Completion};
 use crate::failure::FailureCode;
 use crate::lease;
@@ -71,6 +72,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
         let found_job = in_transaction_or_logged("poll", || {
+            take_handed_job(number);
             pg_sys::check_for_interrupts!();
             // Cleared before the check: a SIGHUP from here on sets it again (see sleep_until_poll).
             unsafe { (&raw mut pg_sys::ConfigReloadPending).write_volatile(0) };
@@ -116,7 +118,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         if found_job || claimed_ahead {
             continue;
         }
-        if !in_transaction_or_logged("wait", || sleep_until_poll(statistics_due)).unwrap_or(true) {
+        if !in_transaction_or_logged("wait", || sleep_until_poll(number, statistics_due)).unwrap_or(true) {
             break;
         }
     }
@@ -125,8 +127,10 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
 
 /// Sleeps until the latch is set (an enqueue's commit, a reload, a shutdown) or the poll interval
 /// has passed, flushing on the way the statistics left pending when they fall due (a flush is
-/// not a poll: it claims nothing and counts no idle poll). False when the worker is to stop.
-fn sleep_until_poll(mut statistics_due: Option<Instant>) -> bool {
+/// not a poll: it claims nothing and counts no idle poll). Asleep, worker `number` may be handed
+/// a job by an enqueue (`direct_lease`), which it then runs as one claimed ahead. False when the
+/// worker is to stop.
+fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
     let deadline = Instant::now() + settings::poll_interval();
     loop {
         // A reload whose latch a lock wait used up (lock waits reset the latch) is still due: a
@@ -136,15 +140,33 @@ fn sleep_until_poll(mut statistics_due: Option<Instant>) -> bool {
             return true;
         }
         let wake_at = statistics_due.map_or(deadline, |due| due.min(deadline));
+        if settings::WORKER_ENABLED.get() {
+            direct_lease::fall_asleep(number, settings::default_lease_seconds());
+        }
         let latch_set = wakeup::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
         if BackgroundWorker::sigterm_received() {
             return false;
         }
+        // The poll wakes it for enqueues (`take_handed_job`); a flush of statistics leaves it
+        // asleep to them.
         if latch_set || Instant::now() >= deadline {
             return true;
         }
         statistics_due = report_statistics();
     }
+}
+
+/// Wakes worker `number` to enqueues (`direct_lease::wake_up`) and keeps the job one handed it,
+/// if any, with the jobs claimed ahead, which this poll runs.
+fn take_handed_job(number: i32) {
+    let Some(handed) = direct_lease::wake_up(number) else {
+        return;
+    };
+    CLAIMED_AHEAD.with(|ahead| {
+        let mut ahead = ahead.borrow_mut();
+        ahead.jobs.push((handed.enqueued_by, handed.job));
+        ahead.claimed_at = Some(ahead.claimed_at.map_or(handed.leased_at, |at| at.min(handed.leased_at)));
+    });
 }
 
 /// Shows in pg_stat_activity whether this worker claims jobs, when that changes: how an operator
@@ -454,7 +476,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
 fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
     let claimed = BackgroundWorker::transaction(|| {
         let (claimed, expired) = claim_batch(worker_id, lease_seconds)?;
-        let without_waiting = !expired && !synchronous_standbys_configured();
+        let without_waiting = !expired && !settings::synchronous_standbys_configured();
         if without_waiting {
             // The transaction's own commit reads it, then it is undone.
             unsafe { set_for_this_transaction(c"synchronous_commit", c"off") };
@@ -467,13 +489,6 @@ fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claim
         }
         claimed
     })
-}
-
-/// As PostgreSQL's `SyncStandbysDefined()`, from this session's settings: a reload that names
-/// standbys reaches the worker before its next poll.
-fn synchronous_standbys_configured() -> bool {
-    let names = unsafe { pg_sys::SyncRepStandbyNames };
-    !names.is_null() && unsafe { *names } != 0
 }
 
 /// Writes the WAL up to this session's last commit to the operating system, as the WAL writer
