@@ -211,6 +211,7 @@ pub struct Lease {
 /// `not_leased`; the reservation ends with the (sub)transaction in any case.
 pub fn reserve_sleeping_worker() -> Option<Lease> {
     if !SHARED_MEMORY.load(SeqCst)
+        || !settings::DIRECT_LEASES.get()
         || unsafe { pg_sys::IsBackgroundWorker }
         || RESERVED_IN_TRANSACTION.get()
         || settings::synchronous_standbys_configured()

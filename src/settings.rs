@@ -25,6 +25,8 @@ pub static POLL_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1000);
 pub static INTAKE_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Whether the workers log each handler error's text (never the payload).
 pub static LOG_HANDLER_ERRORS: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// Whether an enqueue that finds a background worker asleep leases its job to it (`direct_lease`).
+pub static DIRECT_LEASES: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// How many background workers the postmaster starts (restart to change).
 pub static WORKER_COUNT: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// The database the background workers connect to (restart to change).
@@ -163,6 +165,14 @@ pub fn register() {
           logged, but an error message can quote values from it (a failed cast does).",
         &LOG_HANDLER_ERRORS,
         GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"durable_jobs.direct_leases",
+        c"Whether an enqueue that finds a background worker asleep leases its job to that worker.",
+        c"The worker then runs the job right after the enqueue commits, without a claim of its own.",
+        &DIRECT_LEASES,
+        GucContext::Suset,
         GucFlags::default(),
     );
 }
