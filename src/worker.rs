@@ -529,8 +529,10 @@ fn give_back_claimed_ahead(worker_id: &str) {
 fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     let lease_seconds = settings::default_lease_seconds();
     let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
+    // Jobs claimed ahead or handed over by an enqueue; this poll's claim checks the bound role.
+    let checked_by_claim = ahead.jobs.is_empty();
     let claimed =
-        if ahead.jobs.is_empty() { claim_in_own_transaction(worker_id, lease_seconds) } else { Some(ahead) };
+        if checked_by_claim { claim_in_own_transaction(worker_id, lease_seconds) } else { Some(ahead) };
     match claimed {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,
@@ -549,7 +551,11 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
                 let bound = bound_role(role);
                 // Counted as claimed once it runs: a job given back is claimed again later.
-                let taken = if *role == bound {
+                let taken = if *role == bound && !checked_by_claim && !still_serves_bound_role() {
+                    // The worker restarts once this poll is done (see its main loop).
+                    give_back(batch, worker_id);
+                    0
+                } else if *role == bound {
                     bind_session_to(role, Some(WORKER_TYPE));
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
@@ -569,6 +575,19 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             }
             true
         }
+    }
+}
+
+/// Whether this session still runs its bound role's handlers, in a transaction of its own, as a
+/// poll's claim checks it; when not, the worker is to restart (`BOUND_ROLE_MOVED`). An error
+/// (logged) counts as not, for this batch only.
+fn still_serves_bound_role() -> bool {
+    match in_worker_transaction("checking the role the session is bound to", session_serves_bound_role) {
+        Some(serves) => {
+            BOUND_ROLE_MOVED.set(BOUND_ROLE_MOVED.get() || !serves);
+            serves
+        }
+        None => false,
     }
 }
 
