@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Splits the enqueue-to-start latency of the background worker into its steps: 500 jobs enqueued
 # one at a time, 5 ms apart, into an idle queue (as bench/run.sh measures it), with durable
-# commits and then with synchronous_commit = off (the difference is the two WAL flushes on the
-# path, the enqueue's and the claim's). Prints, per setting, pgbench's single-row UPDATE mean
-# latency, the p50 and p99 from the enqueue's transaction start to the handler's first
-# statement, and the p50 of each step, from a second run whose handler reads its own job:
+# commits and then with synchronous_commit = off (the difference is the WAL flushes on the
+# path). Prints, per setting, pgbench's single-row UPDATE mean latency, the p50 and p99 from the
+# enqueue's transaction start to the handler's first statement (jobs leased at enqueue to the
+# sleeping worker: direct leases, the default), and the p50 of each step, from runs whose
+# handler reads its own job: of a job leased at enqueue, the enqueue's transaction and from its
+# commit record to the handler; of a job the worker claims (a run with direct leases off):
 #   enqueue -> claim: the enqueue's statement and commit, the worker's wake-up, its poll up to
 #                     the claim's write of the row (the row's updated_at, a clock reading), in two:
 #     enqueue:          the enqueue's transaction, from its start to its commit record
@@ -30,10 +32,14 @@ stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/
 trap stop_cluster EXIT
 
 # Enqueues 500 jobs of `kind` one at a time and waits until all have run; with `keep_xid`, each
-# enqueue also keeps its job id and transaction id (for its commit timestamp) in public.enqueued.
+# enqueue also keeps its job id and transaction id (for its commit timestamp) in public.enqueued;
+# with `claimed` as well, direct leases are off.
 enqueue_one_at_a_time() {
     local enqueue="SELECT durable_jobs.enqueue_durable_job('$1', '{}')"
     [ "${2:-}" != keep_xid ] || enqueue="INSERT INTO public.enqueued $enqueue, txid_current()"
+    # With `claimed`: direct leases off, so that the worker claims each job.
+    [ "${3:-}" != claimed ] || enqueue="SET durable_jobs.direct_leases = off;
+$enqueue"
     printf "%s;\n\\\\sleep 5 ms\n" "$enqueue" >"$work/enqueue.sql"
     [ "$(id -u)" -ne 0 ] || chown postgres: "$work/enqueue.sql"
     pgbench_run -f "$work/enqueue.sql" -c 1 -t 500 >/dev/null
@@ -87,8 +93,20 @@ SQL
              l AS (SELECT extract(epoch FROM s.job_started - j.created_at) * 1000 ms FROM j JOIN s USING (n))
         SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 3),
                round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 3) FROM l")
+    # Steps of a job the enqueue leased to the sleeping worker (direct leases, the default):
+    # the enqueue's transaction, and from its commit record to the handler (the flush, the
+    # worker's wake-up, its run transaction up to the handler).
     psql_q -c "TRUNCATE durable_jobs.durable_job, public.started, public.enqueued" >/dev/null
     enqueue_one_at_a_time steps keep_xid
+    read -r leased_enqueue leased_to_handler < <(psql_q -F ' ' -c "
+        WITH t AS (SELECT s.*, pg_catalog.pg_xact_commit_timestamp(e.enqueue_xid::text::xid) AS enqueue_committed
+                   FROM public.started s JOIN public.enqueued e USING (job_id))
+        SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM enqueue_committed - created) * 1000)::numeric, 3),
+               round(percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM job_started - enqueue_committed) * 1000)::numeric, 3)
+        FROM t")
+    # Steps of a job the worker claims (direct leases off).
+    psql_q -c "TRUNCATE durable_jobs.durable_job, public.started, public.enqueued" >/dev/null
+    enqueue_one_at_a_time steps keep_xid claimed
     read -r to_claim enqueue to_write claim to_handler < <(psql_q -F ' ' -c "
         WITH t AS (SELECT s.*, pg_catalog.pg_xact_commit_timestamp(e.enqueue_xid::text::xid) AS enqueue_committed
                    FROM public.started s JOIN public.enqueued e USING (job_id)),
@@ -104,6 +122,7 @@ SQL
                round(percentile_cont(0.5) WITHIN GROUP (ORDER BY claim)::numeric, 3),
                round(percentile_cont(0.5) WITHIN GROUP (ORDER BY to_handler)::numeric, 3) FROM l")
     echo "synchronous_commit = $synchronous_commit: pgbench UPDATE ${update_ms} ms; enqueue-to-start p50 $p50 ms, p99 $p99 ms;" \
-         "steps (p50): enqueue -> claim $to_claim (enqueue $enqueue, commit -> claim $to_write), claim $claim," \
+         "steps (p50), leased at enqueue: enqueue $leased_enqueue, commit -> handler $leased_to_handler ms;" \
+         "claimed: enqueue -> claim $to_claim (enqueue $enqueue, commit -> claim $to_write), claim $claim," \
          "claim -> handler $to_handler ms"
 done
