@@ -179,8 +179,7 @@ impl JobTemplate {
         if let Some((Some(_), _)) = existing {
             key_used_by_another_job();
         }
-        direct_lease::another_job_follows();
-        let lease = if installed.at_library_version { direct_lease::reserve_sleeping_worker() } else { None };
+        let lease = direct_lease::lease_for_next_insert(installed.at_library_version);
         if let Some(lease) = lease {
             let (leased_at, inserted) = (unsafe { pgrx::pg_sys::GetCurrentTimestamp() }, Instant::now());
             let statement =
@@ -343,7 +342,7 @@ fn enqueue_durable_jobs(
             // Without keys: one statement for the whole batch.
             None => {
                 require_intake_enabled();
-                direct_lease::another_job_follows();
+                direct_lease::jobs_inserted();
                 let args = [
                     template.queue_name.as_str().into(),
                     template.job_kind.as_str().into(),

@@ -131,6 +131,7 @@ fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regpro
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
+    crate::direct_lease::withdraw();
     let job_kind = arguments::name(job_kind, "job_kind");
     let caller = caller();
     as_extension_owner(|| {

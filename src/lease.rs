@@ -898,6 +898,7 @@ fn extend_durable_job_lease(
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn cancel_durable_job(job_id: Option<i64>) -> bool {
+    crate::direct_lease::withdraw();
     let job_id = arguments::required(job_id, "job_id");
     let caller = caller();
     let args = [job_id.into(), caller.role_oid.into(), caller.is_superuser.into()];

@@ -72,7 +72,7 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         // Nothing but a shutdown stops the worker: an error here (a cancel while idle, a claim
         // that hit lock_timeout) is logged, its transaction rolled back, and the loop goes on.
         let found_job = in_transaction_or_logged("poll", || {
-            take_handed_job(number);
+            take_handed_job(number, &worker_id);
             pg_sys::check_for_interrupts!();
             // Cleared before the check: a SIGHUP from here on sets it again (see sleep_until_poll).
             unsafe { (&raw mut pg_sys::ConfigReloadPending).write_volatile(0) };
@@ -140,8 +140,10 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
             return true;
         }
         let wake_at = statistics_due.map_or(deadline, |due| due.min(deadline));
-        if settings::WORKER_ENABLED.get() {
-            direct_lease::fall_asleep(number, settings::default_lease_seconds());
+        if settings::WORKER_ENABLED.get()
+            && !direct_lease::fall_asleep(number, settings::default_lease_seconds())
+        {
+            return true;
         }
         let latch_set = wakeup::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
         if BackgroundWorker::sigterm_received() {
@@ -157,11 +159,17 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
 }
 
 /// Wakes worker `number` to enqueues (`direct_lease::wake_up`) and keeps the job one handed it,
-/// if any, with the jobs claimed ahead, which this poll runs.
-fn take_handed_job(number: i32) {
+/// if any, with the jobs claimed ahead, which this poll runs. A job taken late (its enqueue's
+/// commit outlasted the worker's wait for it, and a batch ran meanwhile) has its lease renewed
+/// first, also if it lapsed and no one took it.
+fn take_handed_job(number: i32, worker_id: &str) {
     let Some(handed) = direct_lease::wake_up(number) else {
         return;
     };
+    let lease_seconds = settings::default_lease_seconds();
+    if handed.leased_at.elapsed() > Duration::from_secs(lease_seconds.max(1) as u64) / 4 {
+        renew_after_rollback(&[handed.job], worker_id, lease_seconds);
+    }
     CLAIMED_AHEAD.with(|ahead| {
         let mut ahead = ahead.borrow_mut();
         ahead.jobs.push((handed.enqueued_by, handed.job));
@@ -262,7 +270,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         }
         lost.publish();
         if !batch.is_empty() {
-            run_batch(&batch, &later, &worker_id, handover.lease_seconds, false, None);
+            run_batch(&batch, &later, &worker_id, handover.lease_seconds, false, None, false);
         }
         TakenOver::Ran
     });
@@ -551,23 +559,18 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
                 let bound = bound_role(role);
                 // Counted as claimed once it runs: a job given back is claimed again later.
-                let taken = if *role == bound && !checked_by_claim && !still_serves_bound_role() {
-                    // The worker restarts once this poll is done (see its main loop).
-                    give_back(batch, worker_id);
-                    0
-                } else if *role == bound {
+                let taken = if *role == bound {
                     bind_session_to(role, Some(WORKER_TYPE));
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
-                    run_batch(
-                        batch,
-                        &later,
-                        worker_id,
-                        lease_seconds,
-                        ahead,
-                        (position == 0).then_some(&rows),
-                    );
-                    batch.len()
+                    let rows = (position == 0).then_some(&rows);
+                    let ran =
+                        run_batch(batch, &later, worker_id, lease_seconds, ahead, rows, !checked_by_claim);
+                    if ran {
+                        batch.len()
+                    } else {
+                        0
+                    }
                 } else {
                     run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds, &mut renewal)
                 };
@@ -575,19 +578,6 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
             }
             true
         }
-    }
-}
-
-/// Whether this session still runs its bound role's handlers, in a transaction of its own, as a
-/// poll's claim checks it; when not, the worker is to restart (`BOUND_ROLE_MOVED`). An error
-/// (logged) counts as not, for this batch only.
-fn still_serves_bound_role() -> bool {
-    match in_worker_transaction("checking the role the session is bound to", session_serves_bound_role) {
-        Some(serves) => {
-            BOUND_ROLE_MOVED.set(BOUND_ROLE_MOVED.get() || !serves);
-            serves
-        }
-        None => false,
     }
 }
 
@@ -750,6 +740,10 @@ fn worker_transaction<R>(
 /// larger batch is run again alone, so that the error stays with the job that caused it; a job
 /// whose own transaction fails is failed with that error's code. `claimed_rows`: the jobs as the
 /// claim that committed just before returned them; any run after the first reads them again.
+/// With `check_bound_role` (jobs no claim of this poll took: handed over, or claimed ahead), the
+/// transaction first checks, as a poll's claim does, that the session still serves its bound
+/// role; if not, the jobs go back to the queue with their attempts, the worker is to restart
+/// (`BOUND_ROLE_MOVED`), and this returns false.
 fn run_batch(
     jobs: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
@@ -757,21 +751,28 @@ fn run_batch(
     lease_seconds: i32,
     ahead: bool,
     claimed_rows: Option<&ClaimedRows>,
-) {
-    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool, rows| {
+    check_bound_role: bool,
+) -> bool {
+    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool, rows, check: bool| {
         in_transaction(|| {
             BackgroundWorker::transaction(|| {
+                if check && !session_serves_bound_role() {
+                    BOUND_ROLE_MOVED.set(true);
+                    return None;
+                }
                 let tally = execution::run_jobs(jobs, later, worker_id, lease_seconds, completion, rows);
                 let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { Claimed::default() };
-                (tally, claimed)
+                Some((tally, claimed))
             })
         })
         // Kept only once committed: a claim rolled back with its transaction never happened.
-        .map(|(tally, claimed)| {
-            if !claimed.jobs.is_empty() {
-                CLAIMED_AHEAD.with(|ahead| *ahead.borrow_mut() = claimed);
-            }
-            tally
+        .map(|ran| {
+            ran.map(|(tally, claimed)| {
+                if !claimed.jobs.is_empty() {
+                    CLAIMED_AHEAD.with(|ahead| *ahead.borrow_mut() = claimed);
+                }
+                tally
+            })
         })
     };
     // The claim's leases from the job at `position` on, renewed after a transaction that failed
@@ -783,7 +784,13 @@ fn run_batch(
     // A batch completes its jobs in one statement; one that finds a lease lost there runs again
     // with each job completed, fenced, right after its handler.
     let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
-    let mut outcome = run(jobs, later, first, ahead, claimed_rows);
+    let mut outcome = match run(jobs, later, first, ahead, claimed_rows, check_bound_role) {
+        Ok(None) => {
+            give_back(jobs, worker_id);
+            return false;
+        }
+        outcome => outcome.map(|ran| ran.expect("ran")),
+    };
     if outcome.is_err() && execution::take_lease_lost_in_batch() {
         log!(
             "{WORKER_TYPE}: a batch of {} jobs found a lease lost (or a job's row held by another session) \
@@ -791,15 +798,19 @@ fn run_batch(
             jobs.len()
         );
         renew_from(0);
-        outcome = run(jobs, later, Completion::PerJob, false, None);
+        outcome = run(jobs, later, Completion::PerJob, false, None, false).map(|ran| ran.expect("ran"));
     }
     let sqlstate = match outcome {
-        Ok(tally) => return tally.publish(),
+        Ok(tally) => {
+            tally.publish();
+            return true;
+        }
         Err(sqlstate) => sqlstate,
     };
     renew_from(0);
     if let [job] = jobs {
-        return fail_in_own_transaction(*job, &sqlstate, worker_id);
+        fail_in_own_transaction(*job, &sqlstate, worker_id);
+        return true;
     }
     log!(
         "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
@@ -809,14 +820,15 @@ fn run_batch(
     for (position, job) in jobs.iter().enumerate() {
         // Renewed with `later` when due, so that the jobs after this one keep their leases.
         let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
-        match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None) {
-            Ok(tally) => tally.publish(),
+        match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None, false) {
+            Ok(ran) => ran.expect("ran").publish(),
             Err(sqlstate) => {
                 renew_from(position);
                 fail_in_own_transaction(*job, &sqlstate, worker_id);
             }
         }
     }
+    true
 }
 
 /// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.

@@ -1078,6 +1078,20 @@ fn wait_for_the_workers_sleep(client: &mut Client) {
     });
 }
 
+/// `cluster_with_a_sleeping_worker` with `workers` workers, all asleep.
+fn cluster_with_a_sleeping_worker_count(workers: i64) -> (Cluster, Client) {
+    let cluster = Cluster::start(&format!(
+        "shared_preload_libraries = 'durable_jobs'\ndurable_jobs.worker_enabled = on\n\
+         durable_jobs.poll_interval = '10min'\ndurable_jobs.worker_count = {workers}\n"
+    ));
+    let mut client = cluster.connect();
+    client.batch_execute(EFFECTS).unwrap();
+    wait_until(Duration::from_secs(30), "the workers' sleep", || {
+        workers_waiting_on(&mut client, "Extension") == workers
+    });
+    (cluster, client)
+}
+
 /// The state of the job `enqueue` (a statement returning its id) makes, as its own transaction
 /// sees it before it commits or rolls back (`commit`).
 fn state_before_commit(client: &mut Client, enqueue: &str, commit: bool) -> (i64, String) {
@@ -1124,13 +1138,28 @@ fn an_enqueue_leases_its_job_to_a_sleeping_worker_which_runs_it_without_a_claim(
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 1);
     assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (1, 0));
     assert_eq!(worker_claim_statistics(&mut client).0, 1, "the worker's claims");
+    // Two jobs of one transaction: the first, leased, is made available at commit, and the
+    // worker claims both (its claims return two jobs; one before).
+    client
+        .batch_execute(
+            "BEGIN;
+             SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 2}');
+             SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 3}');
+             COMMIT;",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the two jobs", || jobs_in_state(&mut client, "succeeded") == 3);
+    wait_for_the_workers_sleep(&mut client);
+    assert_eq!(worker_claim_statistics(&mut client).2, 2, "jobs the worker's claims returned");
+    assert_eq!(table_of_effects(&mut client), vec![1, 2, 3]);
 }
 
 /// The enqueue leases only what the worker's claim would take at once, one job per transaction,
 /// and only to a worker of its own database: a paused or limited queue, a kind without a
 /// handler, a handler that does not serve the enqueuer, a job not due yet, a second job of the
-/// transaction, and a job of another database are inserted available. The first and last
-/// enqueues show that the worker was asleep, and free, all along.
+/// transaction, a job enqueued under REPEATABLE READ (its snapshot would judge the queue and
+/// handlers as they were when it started), and a job of another database are inserted
+/// available. The first and last enqueues show that the worker was asleep, and free, all along.
 #[test]
 fn an_enqueue_leases_only_what_the_workers_claim_would_take() {
     let (cluster, mut client) = cluster_with_a_sleeping_worker("");
@@ -1179,6 +1208,15 @@ fn an_enqueue_leases_only_what_the_workers_claim_would_take() {
     ] {
         assert_eq!(state_before_commit(&mut client, &statement, false).1, "available", "{case}");
     }
+    let mut txn =
+        client.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
+    let job_id: i64 = txn.query_one(&enqueue(""), &[]).unwrap().get(0);
+    let state: String = txn
+        .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "available", "under REPEATABLE READ");
+    txn.rollback().unwrap();
     let mut app = cluster.connect_as("app_dl");
     let not_served = "SELECT durable_jobs.enqueue_durable_job('others_only', '{}')";
     assert_eq!(
@@ -1192,12 +1230,15 @@ fn an_enqueue_leases_only_what_the_workers_claim_would_take() {
 
 /// A job leased at enqueue goes to the worker only if the worker still waits for it when the
 /// transaction commits; otherwise the transaction makes it available again before it commits,
-/// and the worker claims it as any other. Here the worker is woken by another enqueue first:
-/// left leased (two seconds) to a worker that never looks for it, the job of one attempt would
-/// have failed as lease_expired unrun once its lease lapsed.
+/// and the worker claims it as any other. Here the worker is woken by another enqueue first
+/// (the transaction stays well under the half second a two-second lease allows it): left
+/// leased to a worker that never looks for it, the job of one attempt would have failed as
+/// lease_expired unrun once its lease lapsed.
 #[test]
 fn a_job_leased_at_enqueue_is_made_available_when_its_worker_woke_first() {
-    let (cluster, mut client) = cluster_with_a_sleeping_worker("durable_jobs.lease_duration = 2\n");
+    let (cluster, mut client) = cluster_woken_by_enqueues_only("durable_jobs.lease_duration = 2\n");
+    wait_for_the_workers_sleep(&mut client);
+    client.batch_execute("SELECT pg_stat_statements_reset()").unwrap();
     let mut first = cluster.connect();
     let mut txn = first.transaction().unwrap();
     let leased = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}', max_attempts => 1)";
@@ -1210,6 +1251,9 @@ fn a_job_leased_at_enqueue_is_made_available_when_its_worker_woke_first() {
     });
     assert_eq!(job_outcome(&mut client, &format!("job_id = {job_id}")).0, "succeeded");
     assert_eq!(table_of_effects(&mut client), vec![1, 2]);
+    // Both claimed: the one the worker woke for, and the one its wake-up took back.
+    wait_for_the_workers_sleep(&mut client);
+    assert_eq!(worker_claim_statistics(&mut client).2, 2, "jobs the worker's claims returned");
 }
 
 /// A transaction that ran longer than a quarter of the lease (at most a second) before it
@@ -1243,7 +1287,7 @@ fn a_job_enqueued_in_a_transaction_longer_than_its_lease_is_claimed_not_handed_o
 /// finds the worker free.
 #[test]
 fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
-    let (_cluster, mut client) = cluster_with_a_sleeping_worker("max_prepared_transactions = 2\n");
+    let (cluster, mut client) = cluster_with_a_sleeping_worker("max_prepared_transactions = 2\n");
     client
         .batch_execute(
             "BEGIN;
@@ -1251,11 +1295,12 @@ fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
              PREPARE TRANSACTION 'enqueued';",
         )
         .unwrap();
-    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 0);
-    // Its commit wakes no worker (see wakeup.rs): the next enqueue does, and that job, handed
-    // over, runs first.
-    client.batch_execute("COMMIT PREPARED 'enqueued'").unwrap();
-    client.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 4}')", &[]).unwrap();
+    // Committed from another session, as a transaction manager does. Its commit wakes no worker
+    // (see wakeup.rs): the next enqueue does, from the session that prepared (nothing of the
+    // prepared transaction's is left in it), and that job, handed over, runs first.
+    cluster.connect().batch_execute("COMMIT PREPARED 'enqueued'").unwrap();
+    let enqueue = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 4}')";
+    assert_eq!(state_before_commit(&mut client, enqueue, true).1, "running");
     wait_until(Duration::from_secs(20), "the prepared transaction's job", || {
         jobs_in_state(&mut client, "succeeded") == 2
     });
@@ -1283,6 +1328,136 @@ fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
     wait_for_the_workers_sleep(&mut client);
     assert_eq!(table_of_effects(&mut client), vec![1, 3, 4]);
     assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (3, 0));
+}
+
+/// What the transaction does after its enqueue leased the job counts too: a queue paused or
+/// limited, the kind's handler unregistered, or the job cancelled in the same transaction
+/// makes the job available at commit, for the worker's claim to judge (handed over, the paused
+/// job ran, the one without a handler failed as target_rejected, and the cancelled one counted
+/// as claimed and stale). Each enqueue finds the worker asleep: it was leased.
+#[test]
+fn a_job_leased_at_enqueue_is_made_available_by_what_its_transaction_does_after() {
+    let (_cluster, mut client) = cluster_with_a_sleeping_worker("");
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.temporary_effect(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             SELECT durable_jobs.register_durable_job_handler('temporary', 'public.temporary_effect(jsonb)');",
+        )
+        .unwrap();
+    // Each commit before woke the worker, which polls and sleeps again: until it sleeps, an
+    // enqueue is not leased, and is rolled back.
+    let leased_then = |client: &mut Client, enqueue: &str, then: &str| -> i64 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            wait_for_the_workers_sleep(client);
+            let mut txn = client.transaction().unwrap();
+            let job_id: i64 = txn.query_one(enqueue, &[]).unwrap().get(0);
+            let state: String = txn
+                .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+                .unwrap()
+                .get(0);
+            if state == "running" {
+                txn.batch_execute(&then.replace("$job", &job_id.to_string())).unwrap();
+                txn.commit().unwrap();
+                return job_id;
+            }
+            txn.rollback().unwrap();
+            assert!(std::time::Instant::now() < deadline, "no lease for {enqueue}");
+        }
+    };
+    let record = |queue: &str| {
+        format!("SELECT durable_jobs.enqueue_durable_job('record', '{{}}', queue_name => '{queue}')")
+    };
+    let paused =
+        leased_then(&mut client, &record("paused"), "SELECT durable_jobs.pause_durable_job_queue('paused')");
+    let limited = leased_then(
+        &mut client,
+        &record("limited"),
+        "SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 1)",
+    );
+    let unregistered = leased_then(
+        &mut client,
+        "SELECT durable_jobs.enqueue_durable_job('temporary', '{}')",
+        "SELECT durable_jobs.unregister_durable_job_handler('temporary')",
+    );
+    let cancelled =
+        leased_then(&mut client, &record("default"), "SELECT durable_jobs.cancel_durable_job($job)");
+    wait_until(Duration::from_secs(30), "the limited queue's job", || {
+        jobs_in_state(&mut client, "succeeded") == 1
+    });
+    wait_for_the_workers_sleep(&mut client);
+    let outcome = |client: &mut Client, job_id: i64| job_outcome(client, &format!("job_id = {job_id}"));
+    assert_eq!(outcome(&mut client, paused), ("available".into(), None, 0));
+    assert_eq!(outcome(&mut client, limited), ("succeeded".into(), None, 1));
+    assert_eq!(outcome(&mut client, unregistered), ("available".into(), None, 0));
+    assert_eq!(outcome(&mut client, cancelled).0, "cancelled");
+    assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (1, 0));
+}
+
+/// The job a transaction leased and then withdrew is made available at its commit by a
+/// statement of the extension's, as the extension owner: under the extension's search_path, not
+/// the caller's. Failed before: an enqueuer's operator `=` on bigint, first on its search_path,
+/// ran as the extension owner (a superuser) at the commit.
+#[test]
+fn a_lease_withdrawn_at_commit_runs_nothing_of_the_callers_search_path() {
+    let (cluster, mut admin) = cluster_with_a_sleeping_worker("");
+    admin
+        .batch_execute(
+            "CREATE ROLE app_sp LOGIN;
+             GRANT USAGE ON SCHEMA durable_jobs TO app_sp;
+             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job, durable_jobs.get_durable_job TO app_sp;
+             CREATE SCHEMA evil AUTHORIZATION app_sp;
+             CREATE FUNCTION public.nothing_sp(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             SELECT durable_jobs.register_durable_job_handler('nothing_sp', 'public.nothing_sp(jsonb)');",
+        )
+        .unwrap();
+    let mut app = cluster.connect_as("app_sp");
+    app.batch_execute(
+        "CREATE TABLE evil.seen (who name);
+         CREATE FUNCTION evil.eq(bigint, bigint) RETURNS boolean LANGUAGE plpgsql AS $$
+             BEGIN INSERT INTO evil.seen VALUES (current_user); RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
+         CREATE OPERATOR evil.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.eq);
+         SET search_path = evil, pg_catalog;",
+    )
+    .unwrap();
+    let mut txn = app.transaction().unwrap();
+    let first: i64 =
+        txn.query_one("SELECT durable_jobs.enqueue_durable_job('nothing_sp', '{}')", &[]).unwrap().get(0);
+    let state: String =
+        txn.query_one("SELECT job_state FROM durable_jobs.get_durable_job($1)", &[&first]).unwrap().get(0);
+    assert_eq!(state, "running");
+    txn.query_one("SELECT durable_jobs.enqueue_durable_job('nothing_sp', '{}')", &[]).unwrap();
+    txn.commit().unwrap();
+    wait_until(Duration::from_secs(30), "both jobs", || jobs_in_state(&mut admin, "succeeded") == 2);
+    assert_eq!(count(&mut admin, "SELECT count(*) FROM evil.seen WHERE who <> 'app_sp'"), 0);
+}
+
+/// Two workers asleep: two transactions enqueueing at once each lease their job to one of them.
+#[test]
+fn two_sleeping_workers_are_leased_a_job_each() {
+    let (cluster, mut client) = cluster_with_a_sleeping_worker_count(2);
+    let mut first = cluster.connect();
+    let mut second = cluster.connect();
+    let mut txns = [first.transaction().unwrap(), second.transaction().unwrap()];
+    let mut owners: Vec<String> = txns
+        .iter_mut()
+        .map(|txn| {
+            let job_id: i64 =
+                txn.query_one("SELECT durable_jobs.enqueue_durable_job('record', '{}')", &[]).unwrap().get(0);
+            let owner: Option<String> = txn
+                .query_one("SELECT lease_owner FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+                .unwrap()
+                .get(0);
+            owner.expect("leased")
+        })
+        .collect();
+    owners.sort();
+    assert_eq!(owners, ["durable_jobs-worker-1", "durable_jobs-worker-2"]);
+    for txn in txns {
+        txn.commit().unwrap();
+    }
+    wait_until(Duration::from_secs(30), "both jobs", || jobs_in_state(&mut client, "succeeded") == 2);
+    assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (2, 0));
 }
 
 fn table_of_effects(client: &mut Client) -> Vec<i32> {
@@ -1813,12 +1988,15 @@ fn handlers_get_their_payloads_from_the_claim_without_a_second_read() {
              SELECT pg_stat_statements_reset();",
         )
         .unwrap();
-    // One job alone (handed to the sleeping worker by its enqueue: no claim, so read once, by
-    // the load), then forty at once (batches of five claimed ahead, none read again).
+    // One job alone (claimed at a poll, or handed to the sleeping worker by its enqueue: then no
+    // claim, so read once, by the load), then forty at once (batches of five claimed ahead, none
+    // read again).
     client
         .execute("SELECT durable_jobs.enqueue_durable_job('receive', payload) FROM public.sent WHERE payload->>'n' = '0'", &[])
         .unwrap();
     wait_until(Duration::from_secs(30), "the large job", || jobs_in_state(&mut client, "succeeded") == 1);
+    // Handed over when the worker slept through the enqueue (it polls every 50 ms here).
+    let handed = worker_claim_statistics(&mut client).2 == 0;
     client
         .execute(
             "SELECT durable_jobs.enqueue_durable_jobs('receive', ARRAY(SELECT payload FROM public.sent
@@ -1847,7 +2025,7 @@ fn handlers_get_their_payloads_from_the_claim_without_a_second_read() {
             "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements
              WHERE query LIKE '%LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind%'"
         ),
-        1,
+        i64::from(handed),
         "the load statement's runs"
     );
 }
