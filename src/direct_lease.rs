@@ -102,11 +102,21 @@ fn sleeper(number: i32) -> &'static Sleeper {
     &SLEEPERS.get().0[(number - 1) as usize]
 }
 
-/// Worker `number` starts, or exits: it is awake to enqueues. A reservation of it ends (its
-/// enqueuer makes the job available again); a job committed leased to it and not taken is
-/// claimed again once its lease lapses, as a claimed job whose worker stopped.
-pub fn reset(number: i32) {
-    sleeper(number).state.store(AWAKE, SeqCst);
+/// Worker `number` starts, or exits: it is awake to enqueues, and a reservation of it ends (its
+/// enqueuer makes the job available again). A hand-over under way or done is left for the
+/// worker's next start (the same worker id holds the lease), whose first poll takes it; at
+/// start, enqueues set the latch of this process from here on.
+pub fn reset(number: i32, starting: bool) {
+    let sleeper = sleeper(number);
+    if starting {
+        sleeper.worker_procno.store(my_procno_plus_one(), SeqCst);
+    }
+    for reserved_or_asleep in [ASLEEP, RESERVED] {
+        let current = sleeper.state.load(SeqCst);
+        if state_of(current) == reserved_or_asleep {
+            let _ = sleeper.state.compare_exchange(current, AWAKE, SeqCst, SeqCst);
+        }
+    }
 }
 
 /// A job an enqueue handed to this worker: (enqueuer, (job, lease token)), and when its lease
@@ -119,8 +129,7 @@ pub struct HandedJob {
 
 /// Worker `number`, whose claim found nothing, is about to sleep: enqueues may lease it a job
 /// until it wakes (`wake_up`). Its lease length is the one the worker's claims use. False when
-/// a job was handed to it meanwhile (the poll that takes it is due; committing, its enqueuer
-/// sets the worker's latch once it is handed).
+/// a job was handed to it meanwhile: the poll that takes it is due.
 pub fn fall_asleep(number: i32, lease_seconds: i32) -> bool {
     let sleeper = sleeper(number);
     match state_of(sleeper.state.load(SeqCst)) {
@@ -137,27 +146,33 @@ pub fn fall_asleep(number: i32, lease_seconds: i32) -> bool {
     }
 }
 
-/// How long a waking worker waits for an enqueue that is committing to hand its job over (its
-/// commit is under way: its WAL flush). Past it, the worker goes on, and takes the job at a
-/// later poll (its enqueuer sets the worker's latch once it is handed).
-const COMMIT_WAIT: Duration = Duration::from_millis(50);
+/// After this long waiting for a committing enqueue, the worker logs that it waits (and again
+/// each time as long again has passed).
+const COMMIT_WAIT_LOGGED: Duration = Duration::from_secs(10);
 
 /// Worker `number` is awake (woken, or about to poll): no enqueue may lease it a job from here
 /// on. Returns the job one handed it, if any. A reservation not yet committing is cancelled
-/// (its enqueuer makes the job available again before it commits); one committing is waited
-/// for a moment (`COMMIT_WAIT`). Called at the top of each poll, so that a wait an error ended
-/// leaves nothing behind.
+/// (its enqueuer makes the job available again before it commits). One committing is waited
+/// for, however long, before the worker does anything else: its commit is under way (its WAL
+/// flush, normally), and it hands the job over or aborts; a worker that went on could run other
+/// jobs past the lease of the one it is handed. Called at the top of each poll, so that a wait
+/// an error (a cancel) ended leaves nothing behind.
 pub fn wake_up(number: i32) -> Option<HandedJob> {
     let sleeper = sleeper(number);
-    let waiting_since = Instant::now();
+    let mut log_at = Instant::now() + COMMIT_WAIT_LOGGED;
     loop {
         let current = sleeper.state.load(SeqCst);
         match state_of(current) {
             AWAKE => return None,
-            COMMITTING | PUBLISHING if waiting_since.elapsed() < COMMIT_WAIT => {
-                sleep_on_latch(Duration::from_millis(1));
+            COMMITTING | PUBLISHING => {
+                if Instant::now() >= log_at {
+                    let enqueuer = current >> STATE_BITS;
+                    log!("durable_jobs worker {number}: waiting for an enqueue's commit to hand its job over (backend pgprocno {})", enqueuer.saturating_sub(1));
+                    log_at += COMMIT_WAIT_LOGGED;
+                }
+                // The enqueuer sets the latch when it hands the job over or aborts.
+                sleep_on_latch(Duration::from_millis(100));
             }
-            COMMITTING | PUBLISHING => return None,
             HANDED => {
                 let handed = HandedJob {
                     enqueued_by: load_role(&sleeper.enqueued_by),
@@ -189,7 +204,6 @@ struct Reservation {
     number: i32,
     /// The innermost subtransaction the INSERT's effects belong to.
     subtransaction: pg_sys::SubTransactionId,
-    lease_seconds: i32,
     leased: Option<LeasedJob>,
     /// The transaction did something after the INSERT that the worker's claim would have to
     /// see (another enqueue, a queue paused or limited, a handler unregistered, the job
@@ -206,6 +220,12 @@ struct LeasedJob {
 
 thread_local! {
     static RESERVATION: RefCell<Option<Reservation>> = const { RefCell::new(None) };
+    /// Set from the transaction's pre-commit on: an enqueue after it (another extension's
+    /// pre-commit work) leases nothing.
+    static PAST_PRE_COMMIT: Cell<bool> = const { Cell::new(false) };
+    /// The pre-commit made a leased job available: the workers are woken at commit, as for any
+    /// enqueue (a leased job's enqueue wakes only its worker, by the hand-over).
+    static WAKE_WORKERS_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
     /// Whether this transaction enqueued a job already: only its first enqueue may lease.
     static ENQUEUED_IN_TRANSACTION: Cell<bool> = const { Cell::new(false) };
     static CALLBACKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
@@ -227,6 +247,7 @@ pub struct Lease {
 /// jobs together, in claim order, as it would have without the lease.
 pub fn lease_for_next_insert(at_library_version: bool) -> Option<Lease> {
     if !first_enqueue_of_transaction()
+        || PAST_PRE_COMMIT.get()
         || !at_library_version
         || !settings::DIRECT_LEASES.get()
         || unsafe { pg_sys::IsBackgroundWorker }
@@ -253,7 +274,6 @@ pub fn lease_for_next_insert(at_library_version: bool) -> Option<Lease> {
             *reservation.borrow_mut() = Some(Reservation {
                 number,
                 subtransaction: unsafe { pg_sys::GetCurrentSubTransactionId() },
-                lease_seconds,
                 leased: None,
                 withdrawn: false,
             })
@@ -267,8 +287,8 @@ pub fn lease_for_next_insert(at_library_version: bool) -> Option<Lease> {
     None
 }
 
-/// The transaction inserts jobs other than through `lease_for_next_insert` (several at once):
-/// a job leased before is withdrawn, and none after is leased.
+/// The transaction inserts jobs other than through `lease_for_next_insert` (several at once, a
+/// replay): a job leased before is withdrawn, and none after is leased.
 pub fn jobs_inserted() {
     first_enqueue_of_transaction();
 }
@@ -304,6 +324,13 @@ pub fn leased(
             });
         }
     });
+}
+
+/// Whether this transaction holds a job leased to a sleeping worker, to hand over at commit.
+pub fn lease_pending() -> bool {
+    RESERVATION.with(|reservation| {
+        reservation.borrow().as_ref().is_some_and(|held| held.leased.is_some() && !held.withdrawn)
+    })
 }
 
 /// The INSERT made an available job (not leased: see the module's comment) or none (an
@@ -354,6 +381,9 @@ unsafe extern "C-unwind" fn transaction_event(
         XACT_EVENT_PRE_PREPARE => before_prepare(),
         XACT_EVENT_COMMIT => {
             hand_over();
+            if WAKE_WORKERS_AT_COMMIT.get() {
+                crate::wakeup::wake_workers();
+            }
             forget();
         }
         XACT_EVENT_ABORT | XACT_EVENT_PREPARE => forget(),
@@ -392,15 +422,16 @@ unsafe extern "C-unwind" fn subtransaction_event(
 }
 
 /// How long after its INSERT a leased job may still be handed over: a longer transaction makes
-/// it available instead, so that no lease commits with less than three quarters of it left.
-fn handover_deadline(lease_seconds: i32) -> Duration {
-    (Duration::from_secs(u64::try_from(lease_seconds.max(1)).unwrap_or(1)) / 4).min(Duration::from_secs(1))
-}
+/// it available instead. The INSERT judged the queue's controls and the kind's handler, which
+/// other sessions may change before the commit (as they may between a claim and its handler):
+/// this keeps that moment short, and every lease committed with nearly all of it left.
+const HANDOVER_DEADLINE: Duration = Duration::from_millis(100);
 
 /// Pre-commit: the job is handed over when the worker still waits for it, the transaction was
 /// quick and withdrew nothing; otherwise it is made available again here, before anyone can see
 /// it.
 fn before_commit() {
+    PAST_PRE_COMMIT.set(true);
     let Some(reservation) = RESERVATION.with(|reservation| reservation.borrow_mut().take()) else {
         return;
     };
@@ -411,13 +442,14 @@ fn before_commit() {
     let state = &sleeper(reservation.number).state;
     if !reservation.withdrawn
         && !settings::synchronous_standbys_configured()
-        && leased.inserted.elapsed() < handover_deadline(reservation.lease_seconds)
+        && leased.inserted.elapsed() < HANDOVER_DEADLINE
         && state.compare_exchange(word(RESERVED, me), word(COMMITTING, me), SeqCst, SeqCst).is_ok()
     {
         RESERVATION.with(|kept| *kept.borrow_mut() = Some(reservation));
         return;
     }
     release(&reservation);
+    WAKE_WORKERS_AT_COMMIT.set(true);
     make_available(leased.job);
 }
 
@@ -436,13 +468,13 @@ fn hand_over() {
     let Some(reservation) = RESERVATION.with(|reservation| reservation.borrow_mut().take()) else {
         return;
     };
-    let Some(leased) = reservation.leased else {
-        return;
-    };
     let me = my_procno_plus_one();
     let sleeper = sleeper(reservation.number);
+    let Some(leased) = reservation.leased.as_ref() else {
+        return release(&reservation);
+    };
     if sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err() {
-        return;
+        return release(&reservation);
     }
     sleeper.job_id.store(leased.job.0, SeqCst);
     store_token(&sleeper.lease_token, leased.job.1);
@@ -458,13 +490,17 @@ fn hand_over() {
 /// pre-commit) ends, and a worker waiting for the commit is told.
 fn forget() {
     ENQUEUED_IN_TRANSACTION.set(false);
+    PAST_PRE_COMMIT.set(false);
+    WAKE_WORKERS_AT_COMMIT.set(false);
     let Some(reservation) = RESERVATION.with(|reservation| reservation.borrow_mut().take()) else {
         return;
     };
     let me = my_procno_plus_one();
     let sleeper = sleeper(reservation.number);
     release(&reservation);
-    if sleeper.state.compare_exchange(word(COMMITTING, me), ASLEEP, SeqCst, SeqCst).is_ok() {
+    // Awake, not asleep: the worker may be waiting for this commit, or asleep; woken, it polls
+    // and sleeps again.
+    if sleeper.state.compare_exchange(word(COMMITTING, me), AWAKE, SeqCst, SeqCst).is_ok() {
         set_latch_of(sleeper.worker_procno.load(SeqCst));
     }
 }
@@ -482,10 +518,16 @@ const MAKE_AVAILABLE: &str = "
 
 /// In a pre-commit callback: as the extension owner, under our search_path, with a snapshot of
 /// its own (no statement's is active), and past a `SET TRANSACTION READ ONLY` that came after
-/// the INSERT (this undoes the transaction's own write). An error unwinds all of it and aborts
-/// the transaction.
+/// the INSERT (this undoes the transaction's own write). An error unwinds all of it (the cancel
+/// hold-off too: an abort resets it) and aborts the transaction.
 fn make_available((job_id, lease_token): (i64, Uuid)) {
+    // Dropped in this transaction, with its jobs.
+    if crate::privilege::installed_row().is_none() {
+        return;
+    }
     unsafe {
+        // A cancel (or statement_timeout) arriving now would fail the COMMIT for our sake.
+        pg_sys::QueryCancelHoldoffCount += 1;
         let read_only = pg_sys::XactReadOnly;
         pg_sys::XactReadOnly = false;
         let level = pg_sys::NewGUCNestLevel();
@@ -499,6 +541,7 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
         pg_sys::PopActiveSnapshot();
         pg_sys::AtEOXact_GUC(true, level);
         pg_sys::XactReadOnly = read_only;
+        pg_sys::QueryCancelHoldoffCount -= 1;
     }
 }
 

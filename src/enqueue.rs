@@ -302,7 +302,10 @@ fn enqueue_durable_job(
     let job_id = as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| template.insert_one(client, installed, payload, idempotency_key.as_deref()))
     });
-    crate::wakeup::wake_workers_at_commit();
+    // A job leased to a sleeping worker wakes that worker only, by its hand-over.
+    if !direct_lease::lease_pending() {
+        crate::wakeup::wake_workers_at_commit();
+    }
     job_id
 }
 
@@ -336,13 +339,13 @@ fn enqueue_durable_jobs(
     if elements == 0 {
         return SetOfIterator::new(Vec::new());
     }
+    direct_lease::jobs_inserted();
 
     let job_ids: Vec<i64> = as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| match keys {
             // Without keys: one statement for the whole batch.
             None => {
                 require_intake_enabled();
-                direct_lease::jobs_inserted();
                 let args = [
                     template.queue_name.as_str().into(),
                     template.job_kind.as_str().into(),

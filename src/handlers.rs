@@ -78,6 +78,7 @@ fn may_change_registration(job_kind: &str, caller: &Caller) -> Option<bool> {
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regprocedure>) {
+    crate::direct_lease::withdraw();
     let job_kind = arguments::name(job_kind, "job_kind");
     let handler = arguments::required(handler, "handler").0;
     let caller = caller();

@@ -127,6 +127,7 @@ fn replay_durable_job(
     });
     if row.is_some() {
         waiters::wake_waiters_at_commit([job_id], crate::waiters::Change::Other);
+        crate::direct_lease::jobs_inserted();
         wakeup::wake_workers_at_commit();
     }
     SetOfIterator::new(row)

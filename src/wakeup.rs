@@ -36,10 +36,10 @@ pub fn init_shared_memory() {
 /// Called by worker `number` (1-based) once it runs; the slot is cleared when it exits.
 pub fn publish_worker(number: i32) {
     set_worker_wakeable(number, true);
-    crate::direct_lease::reset(number);
+    crate::direct_lease::reset(number, true);
     unsafe extern "C-unwind" fn clear_slot(_code: std::ffi::c_int, number: pg_sys::Datum) {
         set_worker_wakeable(number.value() as i32, false);
-        crate::direct_lease::reset(number.value() as i32);
+        crate::direct_lease::reset(number.value() as i32, false);
     }
     unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(number)) };
 }
@@ -129,7 +129,7 @@ pub fn past_cancels<R>(wait: impl FnOnce() -> R) -> R {
     }
 }
 
-fn wake_workers() {
+pub(crate) fn wake_workers() {
     for slot in &SLOTS.get().0 {
         let pid = slot.load(Ordering::Relaxed);
         if pid != 0 {

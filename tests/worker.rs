@@ -1230,10 +1230,10 @@ fn an_enqueue_leases_only_what_the_workers_claim_would_take() {
 
 /// A job leased at enqueue goes to the worker only if the worker still waits for it when the
 /// transaction commits; otherwise the transaction makes it available again before it commits,
-/// and the worker claims it as any other. Here the worker is woken by another enqueue first
-/// (the transaction stays well under the half second a two-second lease allows it): left
-/// leased to a worker that never looks for it, the job of one attempt would have failed as
-/// lease_expired unrun once its lease lapsed.
+/// and the worker claims it as any other. Here the worker is woken by another enqueue first,
+/// and runs that job, while the transaction stays open (longer than the tenth of a second a
+/// lease may wait for its commit, too): left leased (two seconds) to a worker that does not
+/// look for it, the job of one attempt would have failed as lease_expired unrun.
 #[test]
 fn a_job_leased_at_enqueue_is_made_available_when_its_worker_woke_first() {
     let (cluster, mut client) = cluster_woken_by_enqueues_only("durable_jobs.lease_duration = 2\n");
@@ -1243,6 +1243,7 @@ fn a_job_leased_at_enqueue_is_made_available_when_its_worker_woke_first() {
     let mut txn = first.transaction().unwrap();
     let leased = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}', max_attempts => 1)";
     let job_id: i64 = txn.query_one(leased, &[]).unwrap().get(0);
+    assert_eq!(job_state_in(&mut txn, job_id), "running");
     client.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 2}')", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the other job", || jobs_in_state(&mut client, "succeeded") == 1);
     txn.commit().unwrap();
@@ -1256,10 +1257,11 @@ fn a_job_leased_at_enqueue_is_made_available_when_its_worker_woke_first() {
     assert_eq!(worker_claim_statistics(&mut client).2, 2, "jobs the worker's claims returned");
 }
 
-/// A transaction that ran longer than a quarter of the lease (at most a second) before it
-/// commits makes the job it leased at enqueue available again: a lease never commits mostly
-/// spent, where an external worker's claim or expiry could take it before its worker does. The
-/// worker then claims the job (its claim returns it; a job handed over is not claimed).
+/// A transaction that ran longer than a tenth of a second after its enqueue leased a job makes
+/// the job available again before it commits: a lease never commits spent (here, all of it),
+/// where an external worker's claim or expiry could take it before its worker does, and the
+/// queue's controls and the kind's handler were judged a moment before. The worker then claims
+/// the job (its claim returns it; a job handed over is not claimed).
 #[test]
 fn a_job_enqueued_in_a_transaction_longer_than_its_lease_is_claimed_not_handed_over() {
     let (cluster, mut client) = cluster_woken_by_enqueues_only("durable_jobs.lease_duration = 2\n");
@@ -1269,6 +1271,7 @@ fn a_job_enqueued_in_a_transaction_longer_than_its_lease_is_claimed_not_handed_o
     let mut txn = enqueuer.transaction().unwrap();
     let enqueue = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}', max_attempts => 1)";
     let job_id: i64 = txn.query_one(enqueue, &[]).unwrap().get(0);
+    assert_eq!(job_state_in(&mut txn, job_id), "running");
     txn.execute("SELECT pg_sleep(2.5)", &[]).unwrap();
     txn.commit().unwrap();
     wait_until(Duration::from_secs(30), "the long transaction's job", || {
@@ -1288,13 +1291,13 @@ fn a_job_enqueued_in_a_transaction_longer_than_its_lease_is_claimed_not_handed_o
 #[test]
 fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
     let (cluster, mut client) = cluster_with_a_sleeping_worker("max_prepared_transactions = 2\n");
-    client
-        .batch_execute(
-            "BEGIN;
-             SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}');
-             PREPARE TRANSACTION 'enqueued';",
-        )
-        .unwrap();
+    client.batch_execute("BEGIN").unwrap();
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}')", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(job_state_in(&mut client, job_id), "running");
+    client.batch_execute("PREPARE TRANSACTION 'enqueued'").unwrap();
     // Committed from another session, as a transaction manager does. Its commit wakes no worker
     // (see wakeup.rs): the next enqueue does, from the session that prepared (nothing of the
     // prepared transaction's is left in it), and that job, handed over, runs first.
@@ -1315,11 +1318,9 @@ fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
              COMMIT;",
         )
         .unwrap();
-    // That commit woke the worker (a wake-up is per transaction): it polls, and sleeps again.
-    wait_until(Duration::from_secs(20), "the worker's poll", || {
-        metric(&mut client, "idle_polls") > idle_polls
-    });
-    wait_for_the_workers_sleep(&mut client);
+    // The enqueue that was leased woke no one (its worker would have been woken by the hand-over).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(metric(&mut client, "idle_polls"), idle_polls);
     let enqueue = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 3}')";
     assert_eq!(state_before_commit(&mut client, enqueue, true).1, "running");
     wait_until(Duration::from_secs(20), "the job after the savepoint", || {
@@ -1458,6 +1459,13 @@ fn two_sleeping_workers_are_leased_a_job_each() {
     }
     wait_until(Duration::from_secs(30), "both jobs", || jobs_in_state(&mut client, "succeeded") == 2);
     assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (2, 0));
+}
+
+fn job_state_in(client: &mut impl postgres::GenericClient, job_id: i64) -> String {
+    client
+        .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .unwrap()
+        .get(0)
 }
 
 fn table_of_effects(client: &mut Client) -> Vec<i32> {
