@@ -172,6 +172,11 @@ fn take_handed_job(number: i32, worker_id: &str) {
     }
     CLAIMED_AHEAD.with(|ahead| {
         let mut ahead = ahead.borrow_mut();
+        // Claimed again already (its lease lapsed before the worker took it): the claim's lease
+        // is the one that runs it.
+        if ahead.jobs.iter().any(|(_, (job_id, _))| *job_id == handed.job.0) {
+            return;
+        }
         ahead.jobs.push((handed.enqueued_by, handed.job));
         ahead.claimed_at = Some(ahead.claimed_at.map_or(handed.leased_at, |at| at.min(handed.leased_at)));
     });
