@@ -125,6 +125,8 @@ pub struct HandedJob {
     pub enqueued_by: String,
     pub job: (i64, Uuid),
     pub leased_at: Instant,
+    /// The end of the enqueue's commit record in the WAL.
+    pub commit_end: pg_sys::XLogRecPtr,
 }
 
 /// Worker `number`, whose claim found nothing, is about to sleep: enqueues may lease it a job
@@ -178,13 +180,9 @@ pub fn wake_up(number: i32) -> Option<HandedJob> {
                     enqueued_by: load_role(&sleeper.enqueued_by),
                     job: (sleeper.job_id.load(SeqCst), load_token(&sleeper.lease_token)),
                     leased_at: instant_of(sleeper.leased_at.load(SeqCst)),
+                    commit_end: sleeper.commit_end.load(SeqCst),
                 };
-                let commit_end = sleeper.commit_end.load(SeqCst);
                 if sleeper.state.compare_exchange(current, AWAKE, SeqCst, SeqCst).is_ok() {
-                    // An enqueue that committed without waiting for its flush: its WAL reaches
-                    // the disk before the handler starts, as a claim's reaches the operating
-                    // system, so that a crash in the handler cannot undo the job and its attempt.
-                    unsafe { pg_sys::XLogFlush(commit_end) };
                     return Some(handed);
                 }
             }

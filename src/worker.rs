@@ -166,6 +166,10 @@ fn take_handed_job(number: i32, worker_id: &str) {
     let Some(handed) = direct_lease::wake_up(number) else {
         return;
     };
+    // An enqueue that committed without waiting for its flush: its WAL reaches the operating
+    // system before the handler starts, as a claim's does, so that a crash of PostgreSQL in the
+    // handler cannot undo the job and its attempt.
+    write_wal_up_to(handed.commit_end);
     let lease_seconds = settings::default_lease_seconds();
     if handed.leased_at.elapsed() > Duration::from_secs(lease_seconds.max(1) as u64) / 4 {
         renew_after_rollback(&[handed.job], worker_id, lease_seconds);
@@ -498,20 +502,19 @@ fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claim
     });
     claimed.map(|(claimed, without_waiting)| {
         if without_waiting && !claimed.jobs.is_empty() {
-            write_last_commit();
+            write_wal_up_to(unsafe { pg_sys::XactLastCommitEnd });
         }
         claimed
     })
 }
 
-/// Writes the WAL up to this session's last commit to the operating system, as the WAL writer
-/// does for asynchronous commits (it flushes now and then: when `wal_writer_delay` has passed
-/// since its last flush in this process); when the WAL not yet flushed crosses into that
-/// commit's page, it would write only the pages before, so the commit is flushed at once
-/// instead, as a synchronous commit's.
-fn write_last_commit() {
+/// Writes the WAL up to `commit_end` (the end of a commit record) to the operating system, as
+/// the WAL writer does for asynchronous commits (it flushes now and then: when
+/// `wal_writer_delay` has passed since its last flush in this process); when the WAL not yet
+/// flushed crosses into that commit's page, it would write only the pages before, so the commit
+/// is flushed at once instead, as a synchronous commit's.
+fn write_wal_up_to(commit_end: pg_sys::XLogRecPtr) {
     unsafe {
-        let commit_end = pg_sys::XactLastCommitEnd;
         if pg_sys::GetXLogWriteRecPtr() >= commit_end {
             return;
         }
