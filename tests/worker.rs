@@ -1333,9 +1333,10 @@ fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
 
 /// What the transaction does after its enqueue leased the job counts too: a queue paused or
 /// limited, the kind's handler unregistered, or the job cancelled in the same transaction
-/// makes the job available at commit, for the worker's claim to judge (handed over, the paused
-/// job ran, the one without a handler failed as target_rejected, and the cancelled one counted
-/// as claimed and stale). Each enqueue finds the worker asleep: it was leased.
+/// makes the job available at commit, for the worker's claim to judge (handed over instead, the
+/// paused job would have run, the one without a handler failed as target_rejected, and the
+/// cancelled one been counted claimed and stale). Each enqueue found the worker asleep: it was
+/// leased.
 #[test]
 fn a_job_leased_at_enqueue_is_made_available_by_what_its_transaction_does_after() {
     let (_cluster, mut client) = cluster_with_a_sleeping_worker("");
