@@ -35,7 +35,7 @@ const AWAKE: u64 = 0;
 const ASLEEP: u64 = 1;
 const RESERVED: u64 = 2;
 const COMMITTING: u64 = 3;
-/// The committed enqueuer writes the job's fields.
+/// The enqueuer writes the job's fields (at its pre-commit, then its commit's end at commit).
 const PUBLISHING: u64 = 4;
 const HANDED: u64 = 5;
 const STATE_BITS: u64 = 3;
@@ -54,11 +54,14 @@ pub struct Sleeper {
     worker_procno: AtomicI32,
     database: AtomicU32,
     lease_seconds: AtomicI32,
-    // Written by the enqueuer while publishing, read by the worker once handed.
+    // Written by the enqueuer while publishing, read by the worker once committing or handed.
     job_id: AtomicI64,
     lease_token: [AtomicU64; 2],
     enqueued_by: [AtomicU64; ROLE_WORDS],
     leased_at: AtomicI64,
+    lease_seconds_leased: AtomicI32,
+    /// The enqueuing transaction.
+    transaction: AtomicU32,
     commit_end: AtomicU64,
 }
 
@@ -73,6 +76,8 @@ impl Default for Sleeper {
             lease_token: [AtomicU64::new(0), AtomicU64::new(0)],
             enqueued_by: std::array::from_fn(|_| AtomicU64::new(0)),
             leased_at: AtomicI64::new(0),
+            lease_seconds_leased: AtomicI32::new(0),
+            transaction: AtomicU32::new(0),
             commit_end: AtomicU64::new(0),
         }
     }
@@ -119,14 +124,25 @@ pub fn reset(number: i32, starting: bool) {
     }
 }
 
-/// A job an enqueue handed to this worker: (enqueuer, (job, lease token)), and when its lease
-/// started.
+/// A job an enqueue handed to this worker: (enqueuer, (job, lease token)), when its lease
+/// started, and for how long.
 pub struct HandedJob {
     pub enqueued_by: String,
     pub job: (i64, Uuid),
     pub leased_at: Instant,
+    pub lease_seconds: i32,
     /// The end of the enqueue's commit record in the WAL.
     pub commit_end: pg_sys::XLogRecPtr,
+}
+
+/// What a worker that waits for an enqueue's commit can find.
+pub enum Handed {
+    Nothing,
+    Job(HandedJob),
+    /// The enqueue's commit outlasted `COMMIT_WAIT`: its job, leased to this worker, and its
+    /// transaction; the worker gives the job back once that transaction committed
+    /// (`transaction_committed`).
+    Late((i64, Uuid), pg_sys::TransactionId),
 }
 
 /// Worker `number`, whose claim found nothing, is about to sleep: enqueues may lease it a job
@@ -148,50 +164,76 @@ pub fn fall_asleep(number: i32, lease_seconds: i32) -> bool {
     }
 }
 
-/// After this long waiting for a committing enqueue, the worker logs that it waits (and again
-/// each time as long again has passed).
-const COMMIT_WAIT_LOGGED: Duration = Duration::from_secs(10);
+/// How long a waking worker waits for an enqueue that is committing (its WAL flush, normally)
+/// to hand its job over. Past it, the worker goes on with other work, and gives that job back
+/// to the queue once the enqueue committed (a remote commit of postgres_fdw held up, say: the
+/// worker is not held with it).
+const COMMIT_WAIT: Duration = Duration::from_secs(1);
 
 /// Worker `number` is awake (woken, or about to poll): no enqueue may lease it a job from here
 /// on. Returns the job one handed it, if any. A reservation not yet committing is cancelled
-/// (its enqueuer makes the job available again before it commits). One committing is waited
-/// for, however long, before the worker does anything else: its commit is under way (its WAL
-/// flush, normally), and it hands the job over or aborts; a worker that went on could run other
-/// jobs past the lease of the one it is handed. Called at the top of each poll, so that a wait
-/// an error (a cancel) ended leaves nothing behind.
-pub fn wake_up(number: i32) -> Option<HandedJob> {
+/// (its enqueuer makes the job available again before it commits); one committing is waited for
+/// up to `COMMIT_WAIT`. Called at the top of each poll, so that a wait an error (a cancel) ended
+/// leaves nothing behind.
+pub fn wake_up(number: i32) -> Handed {
     let sleeper = sleeper(number);
-    let mut log_at = Instant::now() + COMMIT_WAIT_LOGGED;
+    let waiting_since = Instant::now();
     loop {
         let current = sleeper.state.load(SeqCst);
         match state_of(current) {
-            AWAKE => return None,
-            COMMITTING | PUBLISHING => {
-                if Instant::now() >= log_at {
-                    let enqueuer = current >> STATE_BITS;
-                    log!("durable_jobs worker {number}: waiting for an enqueue's commit to hand its job over (backend pgprocno {})", enqueuer.saturating_sub(1));
-                    log_at += COMMIT_WAIT_LOGGED;
+            AWAKE => return Handed::Nothing,
+            COMMITTING if waiting_since.elapsed() >= COMMIT_WAIT => {
+                let late = (sleeper.job_id.load(SeqCst), load_token(&sleeper.lease_token));
+                let transaction = sleeper.transaction.load(SeqCst);
+                if sleeper.state.compare_exchange(current, AWAKE, SeqCst, SeqCst).is_ok() {
+                    return Handed::Late(late, transaction.into());
                 }
-                // The enqueuer sets the latch when it hands the job over or aborts.
-                sleep_on_latch(Duration::from_millis(100));
+            }
+            // The enqueuer sets the latch when it hands the job over or aborts; publishing
+            // takes a few stores.
+            COMMITTING | PUBLISHING => {
+                sleep_on_latch(Duration::from_millis(10));
             }
             HANDED => {
                 let handed = HandedJob {
                     enqueued_by: load_role(&sleeper.enqueued_by),
                     job: (sleeper.job_id.load(SeqCst), load_token(&sleeper.lease_token)),
                     leased_at: instant_of(sleeper.leased_at.load(SeqCst)),
+                    lease_seconds: sleeper.lease_seconds_leased.load(SeqCst),
                     commit_end: sleeper.commit_end.load(SeqCst),
                 };
                 if sleeper.state.compare_exchange(current, AWAKE, SeqCst, SeqCst).is_ok() {
-                    return Some(handed);
+                    return Handed::Job(handed);
                 }
             }
             // Asleep, or reserved: the enqueuer finds the reservation gone at its pre-commit.
             _ => {
                 if sleeper.state.compare_exchange(current, AWAKE, SeqCst, SeqCst).is_ok() {
-                    return None;
+                    return Handed::Nothing;
                 }
             }
+        }
+    }
+}
+
+/// Worker `number`'s word as an enqueue leaves it at its pre-commit (another backend's, as far
+/// as the word tells), for pg_tests of `wake_up`.
+#[cfg(any(test, feature = "pg_test"))]
+pub fn committing_for_test(number: i32, job: (i64, Uuid), transaction: pg_sys::TransactionId) {
+    let sleeper = sleeper(number);
+    sleeper.job_id.store(job.0, SeqCst);
+    store_token(&sleeper.lease_token, job.1);
+    sleeper.transaction.store(transaction.into(), SeqCst);
+    sleeper.state.store(word(COMMITTING, my_procno_plus_one() + 1), SeqCst);
+}
+
+/// Whether `transaction`, no longer running, committed (false while it runs, or if it aborted).
+pub fn transaction_ended(transaction: pg_sys::TransactionId) -> Option<bool> {
+    unsafe {
+        if pg_sys::TransactionIdIsInProgress(transaction) {
+            None
+        } else {
+            Some(pg_sys::TransactionIdDidCommit(transaction))
         }
     }
 }
@@ -202,6 +244,7 @@ struct Reservation {
     number: i32,
     /// The innermost subtransaction the INSERT's effects belong to.
     subtransaction: pg_sys::SubTransactionId,
+    lease_seconds: i32,
     leased: Option<LeasedJob>,
     /// The transaction did something after the INSERT that the worker's claim would have to
     /// see (another enqueue, a queue paused or limited, a handler unregistered, the job
@@ -272,6 +315,7 @@ pub fn lease_for_next_insert(at_library_version: bool) -> Option<Lease> {
             *reservation.borrow_mut() = Some(Reservation {
                 number,
                 subtransaction: unsafe { pg_sys::GetCurrentSubTransactionId() },
+                lease_seconds,
                 leased: None,
                 withdrawn: false,
             })
@@ -437,12 +481,20 @@ fn before_commit() {
         return release(&reservation);
     };
     let me = my_procno_plus_one();
-    let state = &sleeper(reservation.number).state;
+    let sleeper = sleeper(reservation.number);
     if !reservation.withdrawn
         && !settings::synchronous_standbys_configured()
         && leased.inserted.elapsed() < HANDOVER_DEADLINE
-        && state.compare_exchange(word(RESERVED, me), word(COMMITTING, me), SeqCst, SeqCst).is_ok()
+        && sleeper.state.compare_exchange(word(RESERVED, me), word(PUBLISHING, me), SeqCst, SeqCst).is_ok()
     {
+        // What a worker that stops waiting for this commit needs to give the job back.
+        sleeper.job_id.store(leased.job.0, SeqCst);
+        store_token(&sleeper.lease_token, leased.job.1);
+        store_role(&sleeper.enqueued_by, &leased.enqueued_by);
+        sleeper.leased_at.store(leased.leased_at, SeqCst);
+        sleeper.lease_seconds_leased.store(reservation.lease_seconds, SeqCst);
+        sleeper.transaction.store(unsafe { pg_sys::GetTopTransactionIdIfAny() }.into(), SeqCst);
+        sleeper.state.store(word(COMMITTING, me), SeqCst);
         RESERVATION.with(|kept| *kept.borrow_mut() = Some(reservation));
         return;
     }
@@ -453,6 +505,7 @@ fn before_commit() {
 
 /// A prepared transaction commits later, maybe from another session: its job is made available.
 fn before_prepare() {
+    PAST_PRE_COMMIT.set(true);
     if let Some(reservation) = RESERVATION.with(|reservation| reservation.borrow_mut().take()) {
         release(&reservation);
         if let Some(leased) = reservation.leased {
@@ -468,16 +521,11 @@ fn hand_over() {
     };
     let me = my_procno_plus_one();
     let sleeper = sleeper(reservation.number);
-    let Some(leased) = reservation.leased.as_ref() else {
-        return release(&reservation);
-    };
-    if sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err() {
+    if reservation.leased.is_none()
+        || sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err()
+    {
         return release(&reservation);
     }
-    sleeper.job_id.store(leased.job.0, SeqCst);
-    store_token(&sleeper.lease_token, leased.job.1);
-    store_role(&sleeper.enqueued_by, &leased.enqueued_by);
-    sleeper.leased_at.store(leased.leased_at, SeqCst);
     sleeper.commit_end.store(unsafe { pg_sys::XactLastCommitEnd }, SeqCst);
     if sleeper.state.compare_exchange(word(PUBLISHING, me), HANDED, SeqCst, SeqCst).is_ok() {
         set_latch_of(sleeper.worker_procno.load(SeqCst));
@@ -519,13 +567,14 @@ const MAKE_AVAILABLE: &str = "
 /// the INSERT (this undoes the transaction's own write). An error unwinds all of it (the cancel
 /// hold-off too: an abort resets it) and aborts the transaction.
 fn make_available((job_id, lease_token): (i64, Uuid)) {
+    // A cancel (or statement_timeout) arriving now would fail the COMMIT for our sake.
+    unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
     // Dropped in this transaction, with its jobs.
     if crate::privilege::installed_row().is_none() {
+        unsafe { pg_sys::QueryCancelHoldoffCount -= 1 };
         return;
     }
     unsafe {
-        // A cancel (or statement_timeout) arriving now would fail the COMMIT for our sake.
-        pg_sys::QueryCancelHoldoffCount += 1;
         let read_only = pg_sys::XactReadOnly;
         pg_sys::XactReadOnly = false;
         let level = pg_sys::NewGUCNestLevel();

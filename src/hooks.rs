@@ -147,6 +147,21 @@ unsafe extern "C-unwind" fn process_utility(
             && (*(node as *mut pg_sys::TransactionStmt)).kind
                 == pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
     };
+    // DDL after an enqueue that leased its job (DROP EXTENSION, a handler's function replaced,
+    // ...): the job is made available at commit, for the worker's claim to judge.
+    let changes_definitions = unsafe {
+        let node = (*statement).utilityStmt;
+        !node.is_null()
+            && !matches!(
+                (*node).type_,
+                pg_sys::NodeTag::T_TransactionStmt
+                    | pg_sys::NodeTag::T_VariableSetStmt
+                    | pg_sys::NodeTag::T_VariableShowStmt
+            )
+    };
+    if changes_definitions {
+        crate::direct_lease::withdraw();
+    }
     let address = stack_address();
     enter(address, None);
     unsafe {

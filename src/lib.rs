@@ -89,6 +89,7 @@ mod tests {
     include!("../pgrx-tests/retention_tests.rs");
     include!("../pgrx-tests/status_tests.rs");
     include!("../pgrx-tests/docs_tests.rs");
+    include!("../pgrx-tests/direct_lease_tests.rs");
 }
 
 /// Hooks `cargo pgrx test` calls while it sets up the test cluster.

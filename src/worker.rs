@@ -159,28 +159,40 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
 }
 
 /// Wakes worker `number` to enqueues (`direct_lease::wake_up`) and keeps the job one handed it,
-/// if any, with the jobs claimed ahead, which this poll runs. A job taken late (its enqueue's
-/// commit outlasted the worker's wait for it, and a batch ran meanwhile) has its lease renewed
-/// first, also if it lapsed and no one took it.
+/// if any, with the jobs claimed ahead, which this poll runs (its lease renewed first if a
+/// quarter of it is gone: a worker restarted meanwhile). A job whose enqueue's commit outlasted
+/// the worker's wait goes back to the queue, with its attempt, at the first poll after that
+/// commit.
 fn take_handed_job(number: i32, worker_id: &str) {
-    let Some(handed) = direct_lease::wake_up(number) else {
-        return;
+    LATE_HANDOVERS.with(|late| {
+        late.borrow_mut().retain(|(job, transaction)| match direct_lease::transaction_ended(*transaction) {
+            None => true,
+            Some(committed) => {
+                if committed {
+                    give_back(std::slice::from_ref(job), worker_id);
+                }
+                false
+            }
+        })
+    });
+    let handed = match direct_lease::wake_up(number) {
+        direct_lease::Handed::Nothing => return,
+        direct_lease::Handed::Late(job, transaction) => {
+            log!("{WORKER_TYPE} {number}: an enqueue's commit outlasted the wait for its job's hand-over; the job goes back to the queue once it commits");
+            LATE_HANDOVERS.with(|late| late.borrow_mut().push((job, transaction)));
+            return;
+        }
+        direct_lease::Handed::Job(handed) => handed,
     };
     // An enqueue that committed without waiting for its flush: its WAL reaches the operating
     // system before the handler starts, as a claim's does, so that a crash of PostgreSQL in the
     // handler cannot undo the job and its attempt.
     write_wal_up_to(handed.commit_end);
-    let lease_seconds = settings::default_lease_seconds();
-    if handed.leased_at.elapsed() > Duration::from_secs(lease_seconds.max(1) as u64) / 4 {
-        renew_after_rollback(&[handed.job], worker_id, lease_seconds);
+    if handed.leased_at.elapsed() > Duration::from_secs(handed.lease_seconds.max(1) as u64) / 4 {
+        renew_after_rollback(&[handed.job], worker_id, handed.lease_seconds);
     }
     CLAIMED_AHEAD.with(|ahead| {
         let mut ahead = ahead.borrow_mut();
-        // Claimed again already (its lease lapsed before the worker took it): the claim's lease
-        // is the one that runs it.
-        if ahead.jobs.iter().any(|(_, (job_id, _))| *job_id == handed.job.0) {
-            return;
-        }
         ahead.jobs.push((handed.enqueued_by, handed.job));
         ahead.claimed_at = Some(ahead.claimed_at.map_or(handed.leased_at, |at| at.min(handed.leased_at)));
     });
@@ -387,6 +399,9 @@ thread_local! {
     /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
     /// the next poll (see `claim_ahead`).
     static CLAIMED_AHEAD: RefCell<Claimed> = RefCell::new(Claimed::default());
+    /// Jobs leased to this worker whose enqueues' commits outlasted its wait for the hand-over,
+    /// with their transactions (see `take_handed_job`).
+    static LATE_HANDOVERS: RefCell<Vec<((i64, Uuid), pg_sys::TransactionId)>> = const { RefCell::new(Vec::new()) };
     /// When this worker last ended exhausted leases (see `claim_batch`).
     static LAST_EXPIRY: Cell<Option<Instant>> = const { Cell::new(None) };
 }
