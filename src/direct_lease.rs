@@ -521,10 +521,13 @@ fn hand_over() {
     };
     let me = my_procno_plus_one();
     let sleeper = sleeper(reservation.number);
-    if reservation.leased.is_none()
-        || sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err()
-    {
+    if reservation.leased.is_none() {
         return release(&reservation);
+    }
+    if sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err() {
+        // The worker stopped waiting for this commit (`Handed::Late`): woken, it gives the job
+        // back to the queue now that the commit is done.
+        return crate::wakeup::wake_workers();
     }
     sleeper.commit_end.store(unsafe { pg_sys::XactLastCommitEnd }, SeqCst);
     if sleeper.state.compare_exchange(word(PUBLISHING, me), HANDED, SeqCst, SeqCst).is_ok() {
