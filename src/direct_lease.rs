@@ -5,17 +5,19 @@
 //!
 //! Each worker has a word in shared memory: awake; asleep; reserved by an enqueuing backend
 //! (whose transaction inserts, or inserted, a job leased to that worker); committing (that
-//! backend's transaction passed its pre-commit and will hand the job over or abort); handed (the
-//! job is there to take). A worker marks itself asleep right before it sleeps and awake when it
-//! wakes. Waking with a reservation that is not committing yet cancels it: the enqueuer then
-//! makes its job available again before it commits, as it does when its transaction ran longer
-//! than a fraction of the lease. So a job is committed leased to a worker only while that
-//! worker waits for it, and the worker runs it right after the commit: what a claim guarantees
-//! (attempt counted before the handler starts, lease fenced, running job visible) holds as for
-//! a claimed job. The enqueue leases only what the worker's claim would take at once: a job of
-//! a kind with a handler serving its enqueuer, due, in a queue neither paused nor limited, in
-//! the worker's database, from a session that is no background worker, with no synchronous
-//! standby to wait for; one job per transaction.
+//! backend's transaction passed its pre-commit, published the job there, and will hand it over
+//! or abort); publishing (a few stores under way); handed (the job is there to take). A worker
+//! marks itself asleep right before it sleeps and awake when it wakes. Waking with a reservation
+//! that is not committing yet cancels it: the enqueuer then makes its job available again before
+//! it commits, as it does when its transaction ran on more than 100 ms after the INSERT or did
+//! something the claim would have to judge. So a job is committed leased to a worker only while
+//! that worker waits for it, and the worker runs it right after the commit: what a claim
+//! guarantees (attempt counted before the handler starts, lease fenced, running job visible)
+//! holds as for a claimed job. A commit that outlasts the worker's wait (a second) gets its job
+//! given back once it is done. The enqueue leases only what the worker's claim would take at
+//! once: a job of a kind with a handler serving its enqueuer, due, in a queue neither paused nor
+//! limited, in the worker's database, from a READ COMMITTED transaction of a session that is no
+//! background worker, with no synchronous standby to wait for; the transaction's first job.
 
 use crate::plans;
 use crate::privilege::{as_extension_owner, set_at_this_level};
@@ -227,7 +229,7 @@ pub fn committing_for_test(number: i32, job: (i64, Uuid), transaction: pg_sys::T
     sleeper.state.store(word(COMMITTING, my_procno_plus_one() + 1), SeqCst);
 }
 
-/// Whether `transaction`, no longer running, committed (false while it runs, or if it aborted).
+/// None while `transaction` runs; once it ended, whether it committed.
 pub fn transaction_ended(transaction: pg_sys::TransactionId) -> Option<bool> {
     unsafe {
         if pg_sys::TransactionIdIsInProgress(transaction) {
@@ -247,8 +249,8 @@ struct Reservation {
     lease_seconds: i32,
     leased: Option<LeasedJob>,
     /// The transaction did something after the INSERT that the worker's claim would have to
-    /// see (another enqueue, a queue paused or limited, a handler unregistered, the job
-    /// cancelled): the job is made available at pre-commit.
+    /// see (another enqueue, a queue's controls, a handler's registration, a cancel, DDL): the
+    /// job is made available at pre-commit.
     withdrawn: bool,
 }
 
@@ -383,9 +385,9 @@ pub fn not_leased() {
     }
 }
 
-/// The current transaction changed what the worker's claim checks (a queue paused or limited,
-/// a handler unregistered, a job cancelled), or enqueues another job: a job it leased is made
-/// available at pre-commit, to be claimed, or not, as the claim then decides.
+/// The current transaction changed what the worker's claim checks (a queue's controls, a
+/// handler's registration, a job cancelled, DDL), or enqueues another job: a job it leased is
+/// made available at pre-commit, to be claimed, or not, as the claim then decides.
 pub fn withdraw() {
     RESERVATION.with(|reservation| {
         if let Some(reservation) = reservation.borrow_mut().as_mut() {
