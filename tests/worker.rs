@@ -1434,6 +1434,33 @@ fn a_lease_withdrawn_at_commit_runs_nothing_of_the_callers_search_path() {
     assert_eq!(count(&mut admin, "SELECT count(*) FROM evil.seen WHERE who <> 'app_sp'"), 0);
 }
 
+/// DDL after the enqueue withdraws its lease too: here the extension is dropped in the same
+/// transaction, with the job. Failed before: the worker was handed a job that did not exist, and
+/// logged failures for it (its load and the failure it then tried to record).
+#[test]
+fn a_lease_followed_by_drop_extension_hands_nothing_over() {
+    let (cluster, mut client) = cluster_with_a_sleeping_worker("");
+    let mut txn = client.transaction().unwrap();
+    let job_id: i64 =
+        txn.query_one("SELECT durable_jobs.enqueue_durable_job('record', '{}')", &[]).unwrap().get(0);
+    assert_eq!(job_state_in(&mut txn, job_id), "running");
+    txn.batch_execute("DROP EXTENSION durable_jobs CASCADE").unwrap();
+    txn.commit().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    client.batch_execute("CREATE EXTENSION durable_jobs").unwrap();
+    client
+        .batch_execute(
+            "SELECT durable_jobs.register_durable_job_handler('record', 'public.record_effect(jsonb)')",
+        )
+        .unwrap();
+    client.execute("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}')", &[]).unwrap();
+    wait_until(Duration::from_secs(30), "a job after the extension came back", || {
+        jobs_in_state(&mut client, "succeeded") == 1
+    });
+    let log = cluster.server_log();
+    assert!(!log.contains("failed with SQLSTATE"), "{log}");
+}
+
 /// Two workers asleep: two transactions enqueueing at once each lease their job to one of them.
 #[test]
 fn two_sleeping_workers_are_leased_a_job_each() {
