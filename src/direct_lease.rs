@@ -20,7 +20,7 @@
 //! background worker, with no synchronous standby to wait for; the transaction's first job.
 
 use crate::plans;
-use crate::privilege::{as_extension_owner, set_at_this_level};
+use crate::privilege::{as_extension_owner_found, set_at_this_level};
 use crate::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
 use crate::settings::{self, WORKER_COUNT_LIMIT};
 use crate::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
@@ -28,7 +28,7 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
 use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 // A worker's word: the state in the low three bits, the reserving backend (`pgprocno + 1`)
@@ -52,8 +52,9 @@ fn state_of(word: u64) -> u64 {
 
 pub struct Sleeper {
     state: AtomicU64,
-    // Written by the worker while awake, read by the enqueuer that reserved it.
+    /// The worker's latch, set at its start (`reset`).
     worker_procno: AtomicI32,
+    // Written by the worker while awake, read by the enqueuer that reserved it.
     database: AtomicU32,
     lease_seconds: AtomicI32,
     // Written by the enqueuer while publishing, read by the worker once committing or handed.
@@ -97,12 +98,8 @@ unsafe impl PGRXSharedMemory for Sleepers {}
 
 static SLEEPERS: PgAtomic<Sleepers> = unsafe { PgAtomic::new(c"durable_jobs_sleepers") };
 
-/// Set while preloading (inherited by forked backends); without it there are no workers.
-static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
-
 pub fn init_shared_memory() {
     pgrx::pg_shmem_init!(SLEEPERS);
-    SHARED_MEMORY.store(true, SeqCst);
 }
 
 fn sleeper(number: i32) -> &'static Sleeper {
@@ -143,7 +140,7 @@ pub enum Handed {
     Job(HandedJob),
     /// The enqueue's commit outlasted `COMMIT_WAIT`: its job, leased to this worker, and its
     /// transaction; the worker gives the job back once that transaction committed
-    /// (`transaction_committed`).
+    /// (`transaction_ended`).
     Late((i64, Uuid), pg_sys::TransactionId),
 }
 
@@ -154,7 +151,6 @@ pub fn fall_asleep(number: i32, lease_seconds: i32) -> bool {
     let sleeper = sleeper(number);
     match state_of(sleeper.state.load(SeqCst)) {
         AWAKE => {
-            sleeper.worker_procno.store(my_procno_plus_one(), SeqCst);
             sleeper.database.store(unsafe { pg_sys::MyDatabaseId }.into(), SeqCst);
             sleeper.lease_seconds.store(lease_seconds, SeqCst);
             let _ = sleeper.state.compare_exchange(AWAKE, ASLEEP, SeqCst, SeqCst);
@@ -341,7 +337,7 @@ pub fn jobs_inserted() {
 /// without workers (no shared memory).
 fn first_enqueue_of_transaction() -> bool {
     withdraw();
-    if !SHARED_MEMORY.load(SeqCst) {
+    if !crate::wakeup::preloaded() {
         return false;
     }
     // The flag is cleared at the end of the transaction.
@@ -575,17 +571,17 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
     // A cancel (or statement_timeout) arriving now would fail the COMMIT for our sake.
     unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
     // Dropped in this transaction, with its jobs.
-    if crate::privilege::installed_row().is_none() {
+    let Some(installed) = crate::privilege::installed_row() else {
         unsafe { pg_sys::QueryCancelHoldoffCount -= 1 };
         return;
-    }
+    };
     unsafe {
         let read_only = pg_sys::XactReadOnly;
         pg_sys::XactReadOnly = false;
         let level = pg_sys::NewGUCNestLevel();
         set_at_this_level(c"search_path", c"pg_catalog, pg_temp");
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-        as_extension_owner(|| {
+        as_extension_owner_found(&installed, |_| {
             Spi::connect_mut(|client| {
                 plans::execute(client, MAKE_AVAILABLE, &[job_id.into(), lease_token.into()]);
             })

@@ -18,17 +18,30 @@ use std::time::Instant;
 // Keys are unique per queue and enqueuing role, so one role learns nothing of another's jobs.
 // No conflict target: the same statement works against the 0.2.0 index (per queue), which a
 // database keeps until ALTER EXTENSION durable_jobs UPDATE.
+macro_rules! job_columns {
+    () => {
+        "queue_name, job_kind, payload, idempotency_key, payload_sha256,
+                 priority, run_after, max_attempts, enqueued_by"
+    };
+}
+macro_rules! job_values {
+    () => {
+        "$1, $2, $3, $4,
+                   CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
+                        ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
+                   $5, $6, $7, $8::pg_catalog.name"
+    };
+}
 macro_rules! insert_job {
     ($on_conflict:literal) => {
         concat!(
             "
-            INSERT INTO durable_jobs.durable_job
-                (queue_name, job_kind, payload, idempotency_key, payload_sha256,
-                 priority, run_after, max_attempts, enqueued_by)
-            VALUES ($1, $2, $3, $4,
-                    CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
-                         ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
-                    $5, $6, $7, $8::pg_catalog.name)",
+            INSERT INTO durable_jobs.durable_job (",
+            job_columns!(),
+            ")
+            VALUES (",
+            job_values!(),
+            ")",
             $on_conflict,
             "
             RETURNING job_id"
@@ -48,14 +61,13 @@ macro_rules! insert_leased_job {
     ($on_conflict:literal) => {
         concat!(
             "
-            INSERT INTO durable_jobs.durable_job
-                (queue_name, job_kind, payload, idempotency_key, payload_sha256,
-                 priority, run_after, max_attempts, enqueued_by,
+            INSERT INTO durable_jobs.durable_job (",
+            job_columns!(),
+            ",
                  job_state, lease_owner, lease_token, lease_expires_at, attempt_count, state_version)
-            SELECT $1, $2, $3, $4,
-                   CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
-                        ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
-                   $5, $6, $7, $8::pg_catalog.name,
+            SELECT ",
+            job_values!(),
+            ",
                    CASE WHEN claimable THEN 'running' ELSE 'available' END,
                    CASE WHEN claimable THEN $10 END,
                    CASE WHEN claimable THEN $11::pg_catalog.uuid END,

@@ -140,26 +140,21 @@ unsafe extern "C-unwind" fn process_utility(
     destination: *mut pg_sys::DestReceiver,
     completion: *mut pg_sys::QueryCompletion,
 ) {
-    let commits_prepared = unsafe {
-        let node = (*statement).utilityStmt;
-        !node.is_null()
-            && (*node).type_ == pg_sys::NodeTag::T_TransactionStmt
-            && (*(node as *mut pg_sys::TransactionStmt)).kind
-                == pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
-    };
+    let node = unsafe { (*statement).utilityStmt };
+    let node_type = if node.is_null() { pg_sys::NodeTag::T_Invalid } else { unsafe { (*node).type_ } };
+    let commits_prepared = node_type == pg_sys::NodeTag::T_TransactionStmt
+        && unsafe { (*(node as *mut pg_sys::TransactionStmt)).kind }
+            == pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED;
     // DDL after an enqueue that leased its job (DROP EXTENSION, a handler's function replaced,
     // ...): the job is made available at commit, for the worker's claim to judge.
-    let changes_definitions = unsafe {
-        let node = (*statement).utilityStmt;
-        !node.is_null()
-            && !matches!(
-                (*node).type_,
-                pg_sys::NodeTag::T_TransactionStmt
-                    | pg_sys::NodeTag::T_VariableSetStmt
-                    | pg_sys::NodeTag::T_VariableShowStmt
-            )
-    };
-    if changes_definitions {
+    if !node.is_null()
+        && !matches!(
+            node_type,
+            pg_sys::NodeTag::T_TransactionStmt
+                | pg_sys::NodeTag::T_VariableSetStmt
+                | pg_sys::NodeTag::T_VariableShowStmt
+        )
+    {
         crate::direct_lease::withdraw();
     }
     let address = stack_address();

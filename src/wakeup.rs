@@ -28,6 +28,11 @@ static SHARED_MEMORY: AtomicBool = AtomicBool::new(false);
 /// Whether this backend's current transaction already asked for a wake-up at commit.
 static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 
+/// Whether the library was preloaded: without it there are no workers to wake or lease to.
+pub fn preloaded() -> bool {
+    SHARED_MEMORY.load(Ordering::Relaxed)
+}
+
 pub fn init_shared_memory() {
     pgrx::pg_shmem_init!(SLOTS);
     SHARED_MEMORY.store(true, Ordering::Relaxed);

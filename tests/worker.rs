@@ -1211,11 +1211,7 @@ fn an_enqueue_leases_only_what_the_workers_claim_would_take() {
     let mut txn =
         client.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
     let job_id: i64 = txn.query_one(&enqueue(""), &[]).unwrap().get(0);
-    let state: String = txn
-        .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
-        .unwrap()
-        .get(0);
-    assert_eq!(state, "available", "under REPEATABLE READ");
+    assert_eq!(job_state_in(&mut txn, job_id), "available", "under REPEATABLE READ");
     txn.rollback().unwrap();
     let mut app = cluster.connect_as("app_dl");
     let not_served = "SELECT durable_jobs.enqueue_durable_job('others_only', '{}')";
@@ -1354,11 +1350,7 @@ fn a_job_leased_at_enqueue_is_made_available_by_what_its_transaction_does_after(
             wait_for_the_workers_sleep(client);
             let mut txn = client.transaction().unwrap();
             let job_id: i64 = txn.query_one(enqueue, &[]).unwrap().get(0);
-            let state: String = txn
-                .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
-                .unwrap()
-                .get(0);
-            if state == "running" {
+            if job_state_in(&mut txn, job_id) == "running" {
                 txn.batch_execute(&then.replace("$job", &job_id.to_string())).unwrap();
                 txn.commit().unwrap();
                 return job_id;
