@@ -84,9 +84,13 @@ fn registering_needs_execute_on_the_handler_and_ownership_to_replace() {
 }
 
 /// The worker's check of a handler and its enqueuer (`handlers::runnable_handler`, catalog
-/// caches) against the query it replaces (the batch's load up to 0.4.0's fifth round), over
-/// superuser and ordinary owners and enqueuers, membership with and without inheritance, no
-/// EXECUTE, a set-returning function, a procedure, a handler or role that does not exist.
+/// caches) against a reference query, over superuser and ordinary owners and enqueuers,
+/// membership with and without inheritance, no EXECUTE, a set-returning function, a procedure,
+/// a handler or role that does not exist. An owner's code runs as an enqueuer only when the
+/// owner holds the enqueuer's rights: a member's code may run as its group, a group's never as
+/// its members (until 0.6.0 the reference and the assertions below said the opposite, and a
+/// group's member could run code as every other member; reverting `runs_code_of` to
+/// `has_privs_of_role(enqueuer, author)` fails this test at its first assertion).
 #[pg_test]
 fn the_worker_checks_a_handler_as_its_load_query_did() {
     Spi::run(
@@ -107,18 +111,25 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
          REVOKE EXECUTE ON FUNCTION public.dj_rh_private(jsonb) FROM PUBLIC;
          ALTER FUNCTION public.dj_rh_g(jsonb) OWNER TO dj_rh_owner;
          ALTER FUNCTION public.dj_rh_set(jsonb) OWNER TO dj_rh_super;
-         ALTER PROCEDURE public.dj_rh_q(jsonb) OWNER TO dj_rh_owner;",
+         ALTER PROCEDURE public.dj_rh_q(jsonb) OWNER TO dj_rh_owner;
+         CREATE FUNCTION public.dj_rh_m(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         ALTER FUNCTION public.dj_rh_m(jsonb) OWNER TO dj_rh_member;
+         CREATE FUNCTION public.dj_rh_gc(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         ALTER FUNCTION public.dj_rh_gc(jsonb) OWNER TO dj_rh_grandchild;
+         CREATE FUNCTION public.dj_rh_n(jsonb) RETURNS void LANGUAGE sql AS 'SELECT 1';
+         ALTER FUNCTION public.dj_rh_n(jsonb) OWNER TO dj_rh_noinherit;",
     )
     .unwrap();
     let handlers = ["public.dj_rh_f(jsonb)", "public.dj_rh_g(jsonb)", "public.dj_rh_private(jsonb)",
                     "public.dj_rh_set(jsonb)", "public.dj_rh_p(jsonb)", "public.dj_rh_q(jsonb)",
-                    "public.dj_rh_none(jsonb)", "dj_rh_f(jsonb)", "public.dj_rh_super_private(jsonb)"];
+                    "public.dj_rh_none(jsonb)", "dj_rh_f(jsonb)", "public.dj_rh_super_private(jsonb)",
+                    "public.dj_rh_m(jsonb)", "public.dj_rh_gc(jsonb)", "public.dj_rh_n(jsonb)"];
     let enqueuers = ["dj_rh_super", "dj_rh_owner", "dj_rh_member", "dj_rh_noinherit", "dj_rh_stranger",
                      "dj_rh_grandchild", "dj_rh_below_noinherit", "dj_rh_gone"];
     let reference = "
         SELECT p.oid, p.prokind = 'p', r.oid,
                COALESCE(pg_catalog.has_function_privilege(r.oid, p.oid, 'EXECUTE') AND NOT p.proretset
-                        AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(r.oid, o.oid, 'USAGE'))),
+                        AND (o.rolsuper OR (NOT r.rolsuper AND pg_catalog.pg_has_role(o.oid, r.oid, 'USAGE'))),
                         false)
         FROM (SELECT $1::text AS handler, $2::name AS enqueued_by) k
         LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(k.handler)
@@ -143,14 +154,86 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
     }
     assert!(runnable >= 8 && refused >= 20, "{runnable} runnable, {refused} refused");
     let may_run = |handler: &str, enqueuer: &str| crate::handlers::runnable_handler(handler, enqueuer).is_some();
-    assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a member runs its group's handler");
-    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_noinherit"), "without inheriting its privileges");
+    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a group's code never runs as its member");
+    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "nor as a member's member");
+    assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_owner"), "the owner's own code runs as itself");
+    assert!(may_run("public.dj_rh_m(jsonb)", "dj_rh_owner"), "a member's code runs as the group whose rights it holds");
+    assert!(may_run("public.dj_rh_gc(jsonb)", "dj_rh_owner"), "through two memberships");
+    assert!(may_run("public.dj_rh_gc(jsonb)", "dj_rh_member"), "and through one");
+    assert!(!may_run("public.dj_rh_m(jsonb)", "dj_rh_grandchild"), "never down to a member's member");
+    assert!(!may_run("public.dj_rh_n(jsonb)", "dj_rh_owner"), "not without inheriting the group's privileges");
+    assert!(!may_run("public.dj_rh_m(jsonb)", "dj_rh_stranger"), "never as an unrelated role");
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_super"), "a superuser never runs an ordinary role's code");
+    assert!(!may_run("public.dj_rh_m(jsonb)", "dj_rh_super"), "whatever the memberships");
     assert!(may_run("public.dj_rh_f(jsonb)", "dj_rh_stranger"), "a superuser's handler runs for anyone");
     assert!(!may_run("public.dj_rh_private(jsonb)", "dj_rh_stranger"), "without EXECUTE");
     assert!(!may_run("public.dj_rh_super_private(jsonb)", "dj_rh_stranger"), "a superuser's, without EXECUTE");
-    assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "through two memberships");
-    assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_below_noinherit"), "not through a role that does not inherit");
+}
+
+/// Whose jobs a registration serves (`durable_job_handler_serves`, which the worker's claim and
+/// the enqueue's direct lease ask) over superusers, groups, members with and without inheritance
+/// and unrelated roles, and `durable_job_handlers` saying the same of every pair. Until 0.6.0 a
+/// group's registration served its members, so one member could run code as another
+/// (`runs_code_of` reverted to `has_privs_of_role(enqueuer, author)` fails the first assertion).
+#[pg_test]
+fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
+    Spi::run(
+        "CREATE ROLE dj_sv_super SUPERUSER; CREATE ROLE dj_sv_group; CREATE ROLE dj_sv_member IN ROLE dj_sv_group;
+         CREATE ROLE dj_sv_other IN ROLE dj_sv_group; CREATE ROLE dj_sv_noinherit NOINHERIT IN ROLE dj_sv_group;
+         CREATE ROLE dj_sv_stranger; CREATE ROLE dj_sv_grandchild IN ROLE dj_sv_member;",
+    )
+    .unwrap();
+    let serves = |registrant: &str, enqueuer: &str| -> bool {
+        Spi::get_one_with_args::<bool>(
+            "SELECT durable_jobs.durable_job_handler_serves($1, $2)",
+            &[registrant.into(), enqueuer.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    assert!(!serves("dj_sv_group", "dj_sv_member"), "a group's registration never serves its members");
+    assert!(!serves("dj_sv_member", "dj_sv_other"), "nor one member's another member");
+    assert!(!serves("dj_sv_group", "dj_sv_grandchild"), "nor a member's member");
+    assert!(serves("dj_sv_member", "dj_sv_group"), "a member's serves the group whose rights it holds");
+    assert!(serves("dj_sv_grandchild", "dj_sv_group"), "through two memberships");
+    assert!(!serves("dj_sv_noinherit", "dj_sv_group"), "not without inheriting the group's privileges");
+    assert!(serves("dj_sv_stranger", "dj_sv_stranger"), "a role's own");
+    assert!(!serves("dj_sv_stranger", "dj_sv_member"), "never an unrelated role's");
+    assert!(serves("dj_sv_super", "dj_sv_stranger"), "a superuser's serves every role");
+    let me = Spi::get_one::<String>("SELECT current_user::text").unwrap().unwrap();
+    assert!(serves("dj_sv_super", &me), "superusers too");
+    assert!(!serves("dj_sv_member", "dj_sv_super"), "an ordinary role's never a superuser's");
+    assert!(!serves("dj_sv_gone", "dj_sv_stranger"), "a registrant that does not exist serves nobody");
+
+    let roles = ["dj_sv_super", "dj_sv_group", "dj_sv_member", "dj_sv_other", "dj_sv_noinherit",
+                 "dj_sv_stranger", "dj_sv_grandchild", me.as_str()];
+    for registrant in roles {
+        Spi::run_with_args(
+            "INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+             VALUES ($1, 'public.dj_sv(jsonb)', $1)",
+            &[registrant.into()],
+        )
+        .unwrap();
+    }
+    let mut served = 0;
+    for registrant in roles {
+        for enqueuer in roles {
+            let shown = Spi::get_one_with_args::<bool>(
+                "SELECT serves_every_role OR $2 = ANY (serves_roles) FROM durable_jobs.durable_job_handlers
+                 WHERE job_kind = $1",
+                &[registrant.into(), enqueuer.into()],
+            )
+            .unwrap()
+            .unwrap();
+            assert_eq!(shown, serves(registrant, enqueuer), "durable_job_handlers: {registrant} for {enqueuer}");
+            served += i32::from(shown);
+        }
+    }
+    assert_eq!(served, 2 * 8 + 6 + 4, "two superusers serve all eight, six roles themselves, four memberships");
+    let listed = Spi::get_one::<Vec<String>>(
+        "SELECT serves_roles::text[] FROM durable_jobs.durable_job_handlers WHERE job_kind = 'dj_sv_grandchild'",
+    );
+    assert_eq!(listed, Ok(Some(vec!["dj_sv_grandchild".into(), "dj_sv_group".into(), "dj_sv_member".into()])));
 }
 
 #[pg_test]

@@ -90,9 +90,19 @@ GROUP BY j.queue_name, j.last_failure_code;
 
 -- What an operator who registers handlers or controls queues may read of them. The WITH makes
 -- them read-only whatever is granted on them (PostgreSQL does not update through a WITH query).
+-- Since 0.6.0, whose jobs each registration serves, as durable_job_handler_serves decides: a
+-- superuser's every role's, another role's its own and those of the roles whose privileges it
+-- has (pg_has_role USAGE), never a superuser's; none once the registering role is dropped.
 CREATE VIEW durable_jobs.durable_job_handlers AS
 WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
-SELECT h.job_kind, h.handler, h.registered_by, h.registered_at FROM h;
+SELECT h.job_kind, h.handler, h.registered_by, h.registered_at,
+       COALESCE(a.rolsuper, false) AS serves_every_role,
+       CASE WHEN a.rolsuper IS NOT TRUE THEN
+           ARRAY(SELECT e.rolname FROM pg_catalog.pg_roles e
+                 WHERE NOT e.rolsuper AND pg_catalog.pg_has_role(a.oid, e.oid, 'USAGE')
+                 ORDER BY e.rolname)
+       END AS serves_roles
+FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 
 CREATE VIEW durable_jobs.durable_job_queue_controls AS
 WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)

@@ -1,9 +1,10 @@
 //! Handler registration: which SQL function or procedure the background worker runs for a kind.
 //!
 //! A handler takes exactly one jsonb argument, the job's payload. It runs as the role that
-//! enqueued the job, so registering grants nobody new rights; still, the registering role must
-//! itself be allowed to execute the handler, and only the role that registered a kind (or roles
-//! with its privileges) may replace or remove that registration.
+//! enqueued the job, and only for enqueuers whose rights the registering role and the handler's
+//! owner already hold (`runs_code_of`), so registering grants nobody new rights. The registering
+//! role must itself be allowed to execute the handler, and only the role that registered a kind
+//! (or roles with its privileges) may replace or remove that registration.
 
 use crate::arguments;
 use crate::lease::first_value_of;
@@ -150,10 +151,11 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
     })
 }
 
-/// Whether a registration made by `registered_by` serves the jobs that `enqueued_by` enqueues:
-/// the registrant's own, those of other roles with its privileges that are not superusers, and
-/// every role's when the registrant is a superuser. Asked by the background worker's claim for each candidate, from
-/// the role caches, so that the claim's plan stays as simple as a lookup of the kind.
+/// Whether a registration made by `registered_by` serves the jobs that `enqueued_by` enqueues
+/// (`runs_code_of`): its own role's, those of the roles whose privileges it has that are not
+/// superusers, and every role's when the registrant is a superuser. Asked by the background
+/// worker's claim for each candidate, from the role caches, so that the claim's plan stays as
+/// simple as a lookup of the kind.
 #[pg_extern(stable, parallel_safe, strict)]
 #[search_path(pg_catalog, pg_temp)]
 fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
@@ -164,16 +166,20 @@ fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
     registrant != pg_sys::Oid::INVALID && runs_code_of(role_oid(enqueued_by), registrant)
 }
 
-/// Whether code that `author` wrote (a handler's owner, a registration's role) may run as
-/// `enqueuer`: a superuser's code for any role, otherwise only for a role, not a superuser, that
-/// has the author's privileges. has_privs_of_role is true for every superuser: an ordinary
-/// role's code never runs as a superuser.
+/// Whether code that `author` chose (a handler's owner, a registration's role) may run as
+/// `enqueuer`: only when the author already holds the enqueuer's rights. A superuser's code runs
+/// as any role; an ordinary role's as itself and as the roles whose privileges it has (roles it
+/// is a member of, with inheritance), never as a superuser. Never the other way round: a member
+/// has its group's rights, not the group its member's, so a group's code running as a member (or
+/// one member's code reaching another through their group) would act with rights its author
+/// never had. has_privs_of_role is true for every superuser `author`, hence the explicit check
+/// that the enqueuer is not one.
 fn runs_code_of(enqueuer: pg_sys::Oid, author: pg_sys::Oid) -> bool {
     unsafe {
         pg_sys::superuser_arg(author)
             || (enqueuer != pg_sys::Oid::INVALID
                 && !pg_sys::superuser_arg(enqueuer)
-                && pg_sys::has_privs_of_role(enqueuer, author))
+                && pg_sys::has_privs_of_role(author, enqueuer))
     }
 }
 
@@ -202,8 +208,8 @@ pub(crate) struct RunnableHandler {
 
 /// The routine a registration names (`handler`, its stored text, read as `to_regprocedure`
 /// reads it), when the role named `enqueuer` may run it: the role exists and may execute it, it
-/// returns no set, and its owner is a superuser or, for an enqueuer that is not one, a role whose
-/// privileges the enqueuer has (itself or a role it is a member of). From the catalog caches,
+/// returns no set, and its owner is a superuser or, for an enqueuer that is not one, a role that
+/// has the enqueuer's privileges (itself or a member of it, `runs_code_of`). From the catalog caches,
 /// not a query: as a query over pg_roles this was most of the cost of loading a batch.
 pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<RunnableHandler> {
     #[cfg(any(test, feature = "pg_test"))]

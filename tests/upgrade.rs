@@ -8,12 +8,13 @@ use harness::{
     WORKER_CONF,
 };
 use postgres::{Client, GenericClient};
+use std::str::FromStr;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 const OLDEST_SUPPORTED_VERSION: &str = "0.1.0";
 /// Every released version, oldest first; each must update to the current one and back.
-const RELEASED_VERSIONS: [&str; 4] = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"];
+const RELEASED_VERSIONS: [&str; 5] = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"];
 
 /// One line per catalog fact of the extension: its member objects, and for those in schema
 /// durable_jobs their definitions, owners and grants. Names only, never OIDs, so that two
@@ -334,6 +335,93 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
         assert_same_catalog(&catalog_facts(&mut client), &released, &format!("rolled back to {version}"));
         assert_eq!(all_jobs(&mut client), jobs_before, "{version}: the rollback rewrites no job");
     }
+}
+
+/// The update to 0.6.0 warns of each registration whose jobs the trust rule of 0.5.0 ran for a role
+/// and the new rule does not (a group's registration for its members; a superuser's registration
+/// of a routine a group owns), naming the roles and counting their pending jobs, and of no other;
+/// the way back keeps the grants made on durable_job_handlers, which it makes again, and the
+/// initial privileges pg_dump compares them with.
+#[test]
+fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
+    let cluster = Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'");
+    cluster.connect().batch_execute("CREATE DATABASE trust").unwrap();
+    let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let collected = warnings.clone();
+    let mut client = postgres::Config::from_str(&cluster.dsn("postgres", "trust"))
+        .unwrap()
+        .notice_callback(move |notice| {
+            if notice.severity() == "WARNING" {
+                collected.lock().unwrap().push(notice.message().to_string());
+            }
+        })
+        .connect(postgres::NoTls)
+        .unwrap();
+    client
+        .batch_execute(
+            "CREATE EXTENSION durable_jobs VERSION '0.5.0';
+             CREATE ROLE up_team; CREATE ROLE up_alice IN ROLE up_team; CREATE ROLE up_bob IN ROLE up_team;
+             CREATE ROLE up_admin; CREATE ROLE up_producer; GRANT up_producer TO up_admin; CREATE ROLE up_monitor;
+             GRANT USAGE ON SCHEMA durable_jobs TO up_alice;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer) TO up_alice;
+             CREATE FUNCTION public.up_superusers(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             CREATE FUNCTION public.up_teams(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             ALTER FUNCTION public.up_teams(jsonb) OWNER TO up_team;
+             INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by) VALUES
+                 ('by_team', 'public.up_superusers(jsonb)', 'up_team'),
+                 ('teams_routine', 'public.up_teams(jsonb)', current_user),
+                 ('by_admin', 'public.up_superusers(jsonb)', 'up_admin'),
+                 ('by_superuser', 'public.up_superusers(jsonb)', current_user);
+             SET ROLE up_alice;
+             SELECT durable_jobs.enqueue_durable_job('by_team', '{}') FROM generate_series(1, 2);
+             RESET ROLE;
+             GRANT SELECT ON durable_jobs.durable_job_handlers TO up_monitor;
+             GRANT SELECT ON durable_jobs.durable_job_handlers TO up_admin WITH GRANT OPTION;",
+        )
+        .unwrap();
+    let privileges = "SELECT c.relacl::text, i.initprivs::text FROM pg_class c
+                      JOIN pg_init_privs i ON i.objoid = c.oid AND i.classoid = 'pg_class'::regclass
+                      WHERE c.oid = 'durable_jobs.durable_job_handlers'::regclass";
+    let privileges_of = |client: &mut Client| -> (String, String) {
+        client.query_one(privileges, &[]).map(|row| (row.get(0), row.get(1))).unwrap()
+    };
+    let granted = privileges_of(&mut client);
+    assert!(granted.0.contains("up_monitor=r/") && granted.0.contains("up_admin=r*/"), "{granted:?}");
+
+    client.batch_execute("ALTER EXTENSION durable_jobs UPDATE").unwrap();
+    assert_eq!(
+        std::mem::take(&mut *warnings.lock().unwrap()),
+        [
+            "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_team' by up_team \
+             no longer runs the jobs of up_alice, up_bob (the registering role does not hold their rights: their \
+             jobs wait for an external worker) (2 of them pending)",
+            "durable_jobs: the handler public.up_teams(jsonb) registered for job kind 'teams_routine' by postgres \
+             no longer runs the jobs of up_alice, up_bob (the handler's owner does not hold their rights: their \
+             jobs fail target_rejected) (0 of them pending)",
+        ]
+    );
+    let serves: Vec<(String, bool, Option<Vec<String>>)> = client
+        .query("SELECT job_kind, serves_every_role, serves_roles::text[] FROM durable_jobs.durable_job_handlers ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let roles = |names: &[&str]| Some(names.iter().map(|name| name.to_string()).collect::<Vec<_>>());
+    assert_eq!(
+        serves,
+        [
+            ("by_admin".to_string(), false, roles(&["up_admin", "up_producer"])),
+            ("by_superuser".to_string(), true, None),
+            ("by_team".to_string(), false, roles(&["up_team"])),
+            ("teams_routine".to_string(), true, None),
+        ]
+    );
+    assert_eq!(privileges_of(&mut client), granted, "the update keeps the view's grants");
+
+    client.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").unwrap();
+    assert_eq!(privileges_of(&mut client), granted, "the way back keeps the view's grants and initial privileges");
+    assert!(warnings.lock().unwrap().is_empty());
 }
 
 /// Members of the extension (routines, relations, types) that its owner does not own.
