@@ -51,6 +51,7 @@ extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", f
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    disable_error_backtraces();
     settings::register();
     // Shared memory, postmaster settings and static workers exist only when preloaded.
     if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
@@ -68,6 +69,24 @@ pub extern "C-unwind" fn _PG_init() {
         }
     }
     settings::reserve_prefix();
+}
+
+/// No Rust backtrace ever reaches a client or the server log: pgrx attaches
+/// `std::backtrace::Backtrace::capture()` to the DETAIL of every error it raises (ours, and
+/// PostgreSQL's caught through SPI), and std captures one whenever RUST_BACKTRACE or
+/// RUST_LIB_BACKTRACE is set in the environment that started the server. std decides once per
+/// process, from the environment at its first capture: this makes that first capture, with
+/// RUST_LIB_BACKTRACE (which takes precedence) at 0, and puts the environment back as it was.
+/// In the postmaster (preloaded) the decision is inherited by every backend and worker.
+fn disable_error_backtraces() {
+    const VARIABLE: &str = "RUST_LIB_BACKTRACE";
+    let saved = std::env::var_os(VARIABLE);
+    std::env::set_var(VARIABLE, "0");
+    let _ = std::backtrace::Backtrace::capture();
+    match saved {
+        Some(value) => std::env::set_var(VARIABLE, value),
+        None => std::env::remove_var(VARIABLE),
+    }
 }
 
 // pgrx runs #[pg_test] functions from schema `tests`, and only from the module that is that

@@ -125,8 +125,12 @@ impl Cluster {
         standby
     }
 
+    /// Runs pg_ctl on this cluster. A server it starts has RUST_BACKTRACE=1 in its environment,
+    /// as every server started on a machine that sets it does, whatever the tests' own
+    /// environment: nothing of a Rust backtrace may reach a client or the log even then.
     pub fn pg_ctl(&self, args: &[&str]) {
         let mut command = server_command(&self.bin_dir.join("pg_ctl"));
+        command.env("RUST_BACKTRACE", "1").env_remove("RUST_LIB_BACKTRACE");
         command.arg("-D").arg(&self.data_dir).arg("-l").arg(self.data_dir.join("server.log"));
         command.args(args);
         run(command, &format!("pg_ctl {args:?}"));

@@ -162,3 +162,53 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
         assert!(!log.contains(secret), "{secret} reached the server log");
     }
 }
+
+/// What of an error reaches a client: its SQLSTATE, message, detail and hint, never anything of
+/// the build (a Rust backtrace, source paths), whatever the environment that started the server.
+fn assert_no_build_details(error: &postgres::Error, expected_sqlstate: &str, what: &str) {
+    let db = error.as_db_error().unwrap_or_else(|| panic!("{what}: {error}"));
+    assert_eq!(db.code().code(), expected_sqlstate, "{what}: {}", db.message());
+    let fields = [Some(db.message()), db.detail(), db.hint(), db.where_()];
+    for field in fields.into_iter().flatten() {
+        for build_detail in ["backtrace", ".rs:", "rustc", "/.cargo/", "core::", "pgrx"] {
+            assert!(!field.contains(build_detail), "{what}: {build_detail:?} in {field:?}");
+        }
+    }
+}
+
+/// Every server the harness starts has RUST_BACKTRACE=1 in its environment (checked here in the
+/// postmaster's), as on machines that set it. Loaded at server start (preloaded, the worker's
+/// case) or by the first call in a backend, the library's errors carry no backtrace: neither its
+/// own (a retention of 7000 years, 22008) nor PostgreSQL's caught on its way through the
+/// library (a lock timeout inside an enqueue, 55P03), and the server log has no stack frame.
+/// Broken on purpose: without `disable_error_backtraces` in _PG_init, the DETAIL of both
+/// errors held a backtrace of some 24 and 45 frames with build paths and the test failed.
+#[test]
+fn no_rust_backtrace_reaches_a_client_or_the_log() {
+    for extra_conf in ["", "shared_preload_libraries = 'durable_jobs'"] {
+        let cluster = Cluster::start(extra_conf);
+        let pid = std::fs::read_to_string(cluster.data_dir.join("postmaster.pid")).unwrap();
+        let pid = pid.lines().next().unwrap();
+        let environment = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        assert!(
+            environment.split(|byte| *byte == 0).any(|entry| entry == b"RUST_BACKTRACE=1"),
+            "the server was started without RUST_BACKTRACE=1"
+        );
+        let mut client = cluster.connect();
+        let prune = "SELECT durable_jobs.prune_durable_jobs('7000 years')";
+        assert_no_build_details(&client.execute(prune, &[]).expect_err(prune), "22008", prune);
+
+        let mut holder = cluster.connect();
+        let mut lock = holder.transaction().unwrap();
+        lock.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE").unwrap();
+        client.batch_execute("SET lock_timeout = '50ms'").unwrap();
+        let enqueue = "SELECT durable_jobs.enqueue_durable_job('k', '{}')";
+        assert_no_build_details(&client.execute(enqueue, &[]).expect_err(enqueue), "55P03", enqueue);
+        lock.rollback().unwrap();
+
+        let log = cluster.server_log();
+        for build_detail in ["stack backtrace", "rustc", "/.cargo/"] {
+            assert!(!log.contains(build_detail), "{build_detail:?} in the server log ({extra_conf:?}):\n{log}");
+        }
+    }
+}
