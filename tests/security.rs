@@ -71,6 +71,14 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
         &[&"k", &"{oops", &null_text, &"default", &some(3), &some(0)],
         "22P02",
     );
+    // Text PostgreSQL cannot parse as JSON: its error's CONTEXT quotes the input, and is logged
+    // (docs/reliability.md says so; checked below).
+    expect_sqlstate(
+        &mut client,
+        enqueue,
+        &[&"k", &"{\"a\": \"json-context-marker-2c9d\" oops}", &null_text, &"default", &some(3), &some(0)],
+        "22P02",
+    );
     for (kind, queue) in [(INJECTION, "default"), ("k", INJECTION), ("", "default"), ("k", "")] {
         expect_sqlstate(
             &mut client,
@@ -161,6 +169,8 @@ fn bad_input_from_clients_is_refused_and_changes_nothing() {
     for secret in ["secret-key-5d1e", "\"keep\"", "injection-marker-91c2", "huge-payload-marker-7f3a"] {
         assert!(!log.contains(secret), "{secret} reached the server log");
     }
+    // The one exception the docs state: PostgreSQL's own CONTEXT for JSON it cannot parse.
+    assert!(log.contains("JSON data, line 1: {\"a\": \"json-context-marker-2c9d\" oops"), "{log}");
 }
 
 /// What of an error reaches a client: its SQLSTATE, message, detail and hint, never anything of
