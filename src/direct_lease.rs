@@ -392,6 +392,34 @@ pub fn withdraw() {
     });
 }
 
+/// A statement is about to run (the executor hook): one that writes the job, queue or handler
+/// table itself (their owner's UPDATE of a queue's row, say, rather than a call of our
+/// functions, which withdraw by themselves) after this transaction leased a job withdraws it, as
+/// any change of what the claim judges does. Nothing to do, and nothing looked up, otherwise.
+pub fn statement_starts(query_desc: *mut pg_sys::QueryDesc) {
+    if !lease_pending() {
+        return;
+    }
+    unsafe {
+        let statement = (*query_desc).plannedstmt;
+        let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), true);
+        if statement.is_null() || schema == pg_sys::Oid::INVALID {
+            return;
+        }
+        let tables = [c"durable_job", c"durable_job_queue", c"durable_job_handler"]
+            .map(|name| pg_sys::get_relname_relid(name.as_ptr(), schema));
+        let writes = (pg_sys::ACL_INSERT | pg_sys::ACL_UPDATE | pg_sys::ACL_DELETE) as pg_sys::AclMode;
+        let rtable = pgrx::PgList::<pg_sys::RangeTblEntry>::from_pg((*statement).rtable);
+        if rtable.iter_ptr().any(|entry| {
+            (*entry).rtekind == pg_sys::RTEKind::RTE_RELATION
+                && (*entry).requiredPerms & writes != 0
+                && tables.contains(&(*entry).relid)
+        }) {
+            withdraw();
+        }
+    }
+}
+
 /// Ends a reservation the worker has not cancelled: it sleeps on.
 fn release(reservation: &Reservation) {
     let me = my_procno_plus_one();
@@ -553,15 +581,26 @@ fn forget() {
 }
 
 // The job as an enqueue without a sleeping worker would have inserted it, its state_version
-// moved on. Fenced on its token: the same transaction may have cancelled it meanwhile.
-// Operators qualified: the caller's search_path is back in force at commit.
-const MAKE_AVAILABLE: &str = "
+// moved on (`$state_version`: none on a schema from before the status API, which an ALTER
+// EXTENSION UPDATE TO later in the same transaction can leave). Fenced on its token: the same
+// transaction may have cancelled it meanwhile. Operators qualified: the caller's search_path is
+// back in force at commit.
+macro_rules! make_available {
+    ($state_version:literal) => {
+        concat!(
+            "
     UPDATE durable_jobs.durable_job
     SET job_state = 'available', lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
-        attempt_count = 0, state_version = state_version OPERATOR(pg_catalog.+) 1,
-        updated_at = pg_catalog.clock_timestamp()
+        attempt_count = 0, ",
+            $state_version,
+            "updated_at = pg_catalog.clock_timestamp()
     WHERE job_id OPERATOR(pg_catalog.=) $1 AND lease_token OPERATOR(pg_catalog.=) $2
-    RETURNING job_id";
+    RETURNING job_id"
+        )
+    };
+}
+const MAKE_AVAILABLE: &str = make_available!("state_version = state_version OPERATOR(pg_catalog.+) 1, ");
+const MAKE_AVAILABLE_ON_OLD_SCHEMA: &str = make_available!("");
 
 /// In a pre-commit callback: as the extension owner, under our search_path, with a snapshot of
 /// its own (no statement's is active), and past a `SET TRANSACTION READ ONLY` that came after
@@ -581,9 +620,10 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
         let level = pg_sys::NewGUCNestLevel();
         set_at_this_level(c"search_path", c"pg_catalog, pg_temp");
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-        as_extension_owner_found(&installed, |_| {
+        as_extension_owner_found(&installed, |installed| {
+            let statement = if installed.has_status_api { MAKE_AVAILABLE } else { MAKE_AVAILABLE_ON_OLD_SCHEMA };
             Spi::connect_mut(|client| {
-                plans::execute(client, MAKE_AVAILABLE, &[job_id.into(), lease_token.into()]);
+                plans::execute(client, statement, &[job_id.into(), lease_token.into()]);
             })
         });
         pg_sys::PopActiveSnapshot();

@@ -118,6 +118,7 @@ unsafe extern "C-unwind" fn executor_run(
     count: u64,
     execute_once: bool,
 ) {
+    crate::direct_lease::statement_starts(query_desc);
     let address = stack_address();
     enter(address, Some(query_desc as usize));
     unsafe {

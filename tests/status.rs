@@ -83,9 +83,13 @@ fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
         let (state, returned) =
             waiters[index].recv_timeout(Duration::from_secs(10)).expect("the waiter returns");
         assert_eq!(state.as_deref(), Some("succeeded"));
-        // Far below the once-a-second re-read: the commit woke it.
+        // The commit woke it: a waiter that commits can wake re-reads the job only every 10
+        // seconds (status.rs, WOKEN_RECHECK), so without the wake-up the first job's waiter,
+        // asleep since just before the first claim, would return some 9 seconds after its
+        // commit. Half the re-read interval leaves a loaded machine seconds of slack. (It
+        // asserted 500 ms before, a bound a busy machine's scheduling could exceed.)
         let latency = returned.saturating_duration_since(committed);
-        assert!(latency < Duration::from_millis(500), "job {index}: woke {latency:?} after the commit");
+        assert!(latency < Duration::from_secs(5), "job {index}: woke {latency:?} after the commit");
     }
 }
 

@@ -1376,6 +1376,24 @@ fn a_job_leased_at_enqueue_is_made_available_by_what_its_transaction_does_after(
     );
     let cancelled =
         leased_then(&mut client, &record("default"), "SELECT durable_jobs.cancel_durable_job($job)");
+    // The same changes written to the tables by their owner (a superuser here), not through the
+    // functions. Failed before the executor hook's withdrawal: the paused queue's job ran.
+    let paused_directly = leased_then(
+        &mut client,
+        &record("paused_directly"),
+        "INSERT INTO durable_jobs.durable_job_queue (queue_name, paused, changed_by)
+         VALUES ('paused_directly', true, current_user)",
+    );
+    client
+        .batch_execute(
+            "SELECT durable_jobs.register_durable_job_handler('temporary_too', 'public.temporary_effect(jsonb)')",
+        )
+        .unwrap();
+    let unregistered_directly = leased_then(
+        &mut client,
+        "SELECT durable_jobs.enqueue_durable_job('temporary_too', '{}')",
+        "DELETE FROM durable_jobs.durable_job_handler WHERE job_kind = 'temporary_too'",
+    );
     wait_until(Duration::from_secs(30), "the limited queue's job", || {
         jobs_in_state(&mut client, "succeeded") == 1
     });
@@ -1385,7 +1403,25 @@ fn a_job_leased_at_enqueue_is_made_available_by_what_its_transaction_does_after(
     assert_eq!(outcome(&mut client, limited), ("succeeded".into(), None, 1));
     assert_eq!(outcome(&mut client, unregistered), ("available".into(), None, 0));
     assert_eq!(outcome(&mut client, cancelled).0, "cancelled");
+    assert_eq!(outcome(&mut client, paused_directly), ("available".into(), None, 0));
+    assert_eq!(outcome(&mut client, unregistered_directly), ("available".into(), None, 0));
     assert_eq!((metric(&mut client, "claimed"), metric(&mut client, "stale")), (1, 0));
+}
+
+/// An update of the extension to an older version after the enqueue, in the same transaction:
+/// the lease is withdrawn (DDL) and the job made available at commit with the statement the
+/// schema it left has (0.3.0's job table has no state_version). Failed before: the COMMIT
+/// failed with `column "state_version" does not exist`, and the enqueue with it.
+#[test]
+fn a_lease_followed_by_a_downgrade_in_its_transaction_commits_its_job_available() {
+    let (_cluster, mut client) = cluster_with_a_sleeping_worker("");
+    let mut txn = client.transaction().unwrap();
+    let job_id: i64 =
+        txn.query_one("SELECT durable_jobs.enqueue_durable_job('record', '{}')", &[]).unwrap().get(0);
+    assert_eq!(job_state_in(&mut txn, job_id), "running");
+    txn.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.3.0'").unwrap();
+    txn.commit().unwrap_or_else(|e| panic!("the commit: {}", harness::error_text(&e)));
+    assert_eq!(job_outcome(&mut client, &format!("job_id = {job_id}")), ("available".into(), None, 0));
 }
 
 /// The job a transaction leased and then withdrew is made available at its commit by a
@@ -1962,7 +1998,12 @@ fn worker_claim_statistics(client: &mut Client) -> (i64, i64, i64) {
 /// its statements keep their plans too. The look at the extension's version ran under two
 /// search_paths in turn (the poll's and the claim ahead's), so it was planned on each of its
 /// runs (21 plans in 23 runs before the fix); the claim, which both run, is planned no more than
-/// a kept plan is (up to six times) however the two alternate.
+/// a kept plan is (up to six times, eight with the generic plan's) however the two alternate.
+/// The claim runs at least 20 times whatever the scheduling: each of the ten rounds has a claim
+/// that takes its jobs (two enqueues in one transaction lease neither to the worker) and a poll
+/// that finds nothing before the worker sleeps, which the round waits for; a claim planned on
+/// each run would show 20 plans or more. (It asserted 40 calls or more before, a number that
+/// depends on how polls and claims ahead interleave: 39 on a loaded machine.)
 #[test]
 fn the_workers_statements_keep_their_plans_when_jobs_arrive_a_few_at_a_time() {
     let (_cluster, mut client) = cluster_woken_by_enqueues_only("");
@@ -1970,7 +2011,8 @@ fn the_workers_statements_keep_their_plans_when_jobs_arrive_a_few_at_a_time() {
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 20);
     assert_eq!(replanned_statements(&mut client), Vec::<String>::new());
     let (calls, plans, _) = worker_claim_statistics(&mut client);
-    assert!(calls >= 40 && plans <= 8, "the worker's claim: {calls} calls, {plans} plans");
+    assert!(calls >= 20, "the worker's claim ran {calls} times: too few to tell a kept plan");
+    assert!(plans <= 8, "the worker's claim: {plans} plans in {calls} calls");
 }
 
 /// At claim_batch_size 1, a job that finds the worker asleep is run with no claim ahead, which
