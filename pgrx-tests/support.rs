@@ -79,22 +79,28 @@ pub fn enqueue(job_kind: &str, payload: &str) -> i64 {
 
 /// A claim as a worker would make it: (job_id, lease_token), or None when nothing is ready.
 pub fn claim(worker_id: &str) -> Option<(i64, pgrx::Uuid)> {
-    Spi::get_two_with_args::<i64, pgrx::Uuid>(
+    claimed(Spi::get_two_with_args::<i64, pgrx::Uuid>(
         "SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job($1)",
         &[worker_id.into()],
-    )
-    .map(|(job, token)| job.zip(token))
-    .unwrap_or(None)
+    ))
 }
 
 /// A claim restricted to one queue.
 pub fn claim_from(queue: &str) -> Option<(i64, pgrx::Uuid)> {
-    Spi::get_two_with_args::<i64, pgrx::Uuid>(
+    claimed(Spi::get_two_with_args::<i64, pgrx::Uuid>(
         "SELECT job_id, lease_token FROM durable_jobs.claim_next_durable_job('w', ARRAY[$1])",
         &[queue.into()],
-    )
-    .map(|(job, token)| job.zip(token))
-    .unwrap_or(None)
+    ))
+}
+
+/// A claim's row, None when it returned none; any other SPI error (a column of another type, a
+/// missing one) fails the test instead of passing for "no job". (It was read as no job before.)
+fn claimed(row: Result<(Option<i64>, Option<pgrx::Uuid>), pgrx::spi::SpiError>) -> Option<(i64, pgrx::Uuid)> {
+    match row {
+        Ok((job, token)) => Some((job.expect("a claimed job_id"), token.expect("a claimed lease_token"))),
+        Err(pgrx::spi::SpiError::InvalidPosition) => None,
+        Err(error) => panic!("the claim failed: {error}"),
+    }
 }
 
 /// Calls complete or fail (`call` is the SQL call with $1 job_id, $2 worker_id, $3 lease_token).

@@ -103,11 +103,57 @@ fn the_runnable_sql_of_readme_and_runbook_runs_as_written() {
     }
 }
 
+/// The lines of a Rust source that are code: neither `//` comments nor inside `/* */` blocks.
+fn rust_code_lines(source: &str) -> Vec<&str> {
+    let mut in_block = false;
+    let mut code = Vec::new();
+    for line in source.lines().map(str::trim) {
+        if in_block {
+            in_block = !line.contains("*/");
+        } else if line.starts_with("/*") {
+            in_block = !line.contains("*/");
+        } else if !line.starts_with("//") {
+            code.push(line);
+        }
+    }
+    code
+}
+
+/// The suite files src/lib.rs includes: its uncommented `include!("../pgrx-tests/NAME");` lines.
+fn included_suites(library: &str) -> Vec<String> {
+    rust_code_lines(library)
+        .into_iter()
+        .filter_map(|line| line.strip_prefix("include!(\"../pgrx-tests/")?.strip_suffix("\");"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The paths of the `[[test]]` targets of a Cargo manifest (uncommented lines only).
+fn test_targets(manifest: &str) -> Vec<String> {
+    let mut section = "";
+    let mut paths = Vec::new();
+    for line in manifest.lines().map(|line| line.split('#').next().unwrap().trim()) {
+        if line.starts_with('[') {
+            section = line;
+        } else if let (Some(path), "[[test]]") = (line.strip_prefix("path = \""), section) {
+            paths.push(path.trim_end_matches('"').to_string());
+        }
+    }
+    paths
+}
+
 /// Every suite file is registered where it runs: tests/*.rs as a `[[test]]` of tests/Cargo.toml
 /// (autotests is off), pgrx-tests/*.rs in an `include!` of src/lib.rs. A new file left out would
-/// otherwise never run and never fail. Broken on purpose: a pgrx-tests file not included failed.
+/// otherwise never run and never fail. Broken on purpose: a pgrx-tests file not included failed;
+/// and a commented-out `include!` or `[[test]]` counts as missing (it passed before: the check
+/// looked for the text anywhere), as the first assertions show on samples.
 #[test]
 fn every_test_file_is_registered() {
+    let sample_library = "// include!(\"../pgrx-tests/a.rs\");\n/*\ninclude!(\"../pgrx-tests/b.rs\");\n*/\n    include!(\"../pgrx-tests/c.rs\");\n";
+    assert_eq!(included_suites(sample_library), ["c.rs"]);
+    let sample_manifest = "# [[test]]\n# path = \"a.rs\"\n[lib]\npath = \"b.rs\"\n[[test]]\nname = \"c\"\npath = \"c.rs\"\n";
+    assert_eq!(test_targets(sample_manifest), ["c.rs"]);
+
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let rust_files = |dir: &str| -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(root.join(dir))
@@ -118,17 +164,17 @@ fn every_test_file_is_registered() {
         names.sort();
         names
     };
-    let manifest = std::fs::read_to_string(root.join("tests/Cargo.toml")).unwrap();
-    let library = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let targets = test_targets(&std::fs::read_to_string(root.join("tests/Cargo.toml")).unwrap());
+    let included = included_suites(&std::fs::read_to_string(root.join("src/lib.rs")).unwrap());
     let mut unregistered: Vec<String> = rust_files("tests")
         .into_iter()
-        .filter(|name| name != "harness.rs" && !manifest.contains(&format!("path = \"{name}\"")))
+        .filter(|name| name != "harness.rs" && !targets.contains(name))
         .map(|name| format!("tests/{name}"))
         .collect();
     unregistered.extend(
         rust_files("pgrx-tests")
             .into_iter()
-            .filter(|name| !library.contains(&format!("include!(\"../pgrx-tests/{name}\");")))
+            .filter(|name| !included.contains(name))
             .map(|name| format!("pgrx-tests/{name}")),
     );
     assert_eq!(unregistered, Vec::<String>::new(), "test files that never run");
