@@ -684,6 +684,10 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     .unwrap();
     let leases: Vec<(i64, pgrx::Uuid)> = (0..5).map(|_| claim("w").unwrap()).collect();
     let (ids, tokens): (Vec<i64>, Vec<pgrx::Uuid>) = leases.iter().copied().unzip();
+    // The settings the worker loads a batch under. Without them the plan depended on whether
+    // another test had analyzed the job table first: run alone, on a job table never analyzed,
+    // the five jobs were read by a sequential scan and the test failed.
+    planner_settings(crate::plans::BATCH_PLANNER_SETTINGS);
     let plan = Spi::get_one_with_args::<pgrx::Json>(
         &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::execution::LOAD_JOBS),
         &[ids.into(), tokens.into(), "w".into()],
