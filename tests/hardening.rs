@@ -1519,6 +1519,12 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
     wait_until(Duration::from_secs(20), "app_b's batch to find no runner", || {
         cluster.server_log().contains("no role runner could start")
     });
+    // The give-back itself: claimed (running, one attempt) before the line was logged, the job
+    // is back in the queue with its attempt refunded. A job never given back would stay running
+    // with one attempt until its lease lapsed. (It accepted running with one attempt before.)
+    wait_until(Duration::from_secs(20), "app_b's job given back", || {
+        job_outcome(&mut admin, "enqueued_by = 'app_b'") == ("available".into(), None, 0)
+    });
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's second job", || finished(&mut admin) == 2);
     let (state, code, attempts) = job_outcome(&mut admin, "enqueued_by = 'app_b'");

@@ -13,11 +13,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// Jobs carry their number `n`; the handler fails transiently at `fail_rate`, else records `n`.
+/// A job with `hold` first waits for advisory lock 4343 (`a_job_in_flight`).
 const SETUP: &str = "
     CREATE TABLE public.enqueued (n bigint, job_id bigint);
     CREATE TABLE public.effects (n bigint, applied_by text);
     CREATE FUNCTION public.apply_effect(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
     BEGIN
+        IF (payload->>'hold')::boolean THEN
+            PERFORM pg_advisory_xact_lock(4343);
+        END IF;
         IF random() < (payload->>'fail_rate')::float8 THEN
             RAISE EXCEPTION 'transient trouble' USING ERRCODE = '40001';
         END IF;
@@ -25,8 +29,51 @@ const SETUP: &str = "
     END $$;
     SELECT durable_jobs.register_durable_job_handler('effect', 'public.apply_effect(jsonb)');";
 
-const FAULT_CONF: &str = "durable_jobs.lease_duration = 2\ndurable_jobs.worker_count = 2\n\
+/// Leases of 10 s: a handler waits up to its statement timeout, a little shorter than that,
+/// before it is cancelled by itself, far longer than the moment between a fault's target being
+/// seen at work and the fault.
+const FAULT_CONF: &str = "durable_jobs.lease_duration = 10\ndurable_jobs.worker_count = 2\n\
                           max_connections = 60\n";
+
+/// Work in flight for a fault to hit, seen, not hoped for: `holder` takes advisory lock 4343, a
+/// job numbered `n` is enqueued (queue `held`, which the external workers leave alone; first in
+/// claim order) whose handler waits for that lock, and this returns its job id and the pid of the
+/// background worker running it, once that worker waits on the lock. Its fault must cost the job
+/// that attempt: it ends succeeded with two attempts or more.
+fn a_job_in_flight(cluster: &Cluster, holder: &mut Client, n: i64) -> (i64, i32) {
+    holder.execute("SELECT pg_advisory_lock(4343)", &[]).unwrap();
+    let job_id: i64 = holder
+        .query_one(
+            "INSERT INTO public.enqueued
+             SELECT $1::bigint,
+                    durable_jobs.enqueue_durable_job('effect', jsonb_build_object('n', $1::bigint, 'fail_rate', 0, 'hold', true),
+                                                         NULL, 'held', now(), 10, priority => 100)
+             RETURNING job_id",
+            &[&n],
+        )
+        .unwrap()
+        .get(0);
+    let mut client = cluster.connect_when_ready(Duration::from_secs(60));
+    let mut pid = None;
+    wait_until(Duration::from_secs(60), "a background worker in the held job's handler", || {
+        pid = client
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE backend_type = 'durable_jobs worker' AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                &[],
+            )
+            .unwrap()
+            .map(|row| row.get(0));
+        pid.is_some()
+    });
+    (job_id, pid.unwrap())
+}
+
+/// The job `a_job_in_flight` made ran again after its fault and succeeded.
+fn assert_ran_again(client: &mut Client, job_id: i64, scenario: &str) {
+    let (state, _, attempts) = harness::job_outcome(client, &format!("job_id = {job_id}"));
+    assert!(state == "succeeded" && attempts >= 2, "{scenario}: the job in flight at the fault: {state}, {attempts} attempts");
+}
 
 fn enqueue(client: &mut Client, jobs: i64, fail_rate: f64) {
     client
@@ -84,7 +131,7 @@ fn external_step(
     let lease_seconds = late.map(|(seconds, _)| seconds);
     let Some(row) = client.query_opt(
         "SELECT job_id, lease_token::text, (payload->>'n')::bigint
-         FROM durable_jobs.claim_next_durable_job($1, NULL, $2)",
+         FROM durable_jobs.claim_next_durable_job($1, ARRAY['default'], $2)",
         &[&name, &lease_seconds],
     )?
     else {
@@ -326,20 +373,28 @@ fn soak_with_workers_external_workers_and_transient_failures() {
     );
 }
 
-/// Broken on purpose: with the kill left out, `recovered` was 0 and the test failed (the jobs
-/// fail no attempt of their own here, so only the kills can cost one).
+/// The first kill hits a worker seen running a handler (`a_job_in_flight`); two more land at
+/// uneven moments while the queue drains, on whatever is in flight then. Broken on purpose:
+/// with the aimed kill replaced by releasing the lock, the held job ran once and the test failed
+/// (it asserted `recovered > 0` before, which a fast machine that drained the queue before the
+/// kills would have failed).
 #[test]
 fn kill_minus_nine_of_workers_during_the_soak() {
     const JOBS: i64 = 4_000;
     let (cluster, externals, started) = start_load(&format!("{WORKER_CONF}{FAULT_CONF}"), JOBS, 0.0);
-    // Several kills at uneven moments while the queue drains.
-    for pause_ms in [400u64, 1100, 700] {
+    let mut holder = cluster.connect();
+    let (held_job, pid) = a_job_in_flight(&cluster, &mut holder, JOBS + 1);
+    let mut client = cluster.connect();
+    let pids = cluster.worker_pids(&mut client);
+    // The crash restart ends every session, the holder's too, and its lock with it.
+    cluster.kill_worker_and_await_restart(pid, &pids);
+    for pause_ms in [300u64, 500] {
         thread::sleep(Duration::from_millis(pause_ms));
         kill_a_worker(&cluster);
     }
-    let tally = drain_and_check(&cluster, "kill_minus_nine", JOBS, started);
+    drain_and_check(&cluster, "kill_minus_nine", JOBS + 1, started);
     let externals = externals.stop();
-    assert!(tally.recovered > 0, "jobs the kills interrupted ran again");
+    assert_ran_again(&mut cluster.connect(), held_job, "kill_minus_nine");
     assert!(externals.connection_errors > 0, "the kills reset the external workers' sessions too");
     assert_workers_took_part(&cluster);
 }
@@ -354,8 +409,10 @@ fn assert_workers_took_part(cluster: &Cluster) {
 fn immediate_shutdown_mid_load_then_restart_and_drain() {
     const JOBS: i64 = 4_000;
     let (cluster, externals, started) = start_load(&format!("{WORKER_CONF}{FAULT_CONF}"), JOBS, 0.0);
-    // Stop while jobs are in flight: five claimed here (committed, never finished) and whatever
-    // the workers are running.
+    // Stop while jobs are in flight: a handler a background worker is seen running, five claimed
+    // here (committed, never finished), and whatever else the workers are running.
+    let mut holder = cluster.connect();
+    let (held_job, _) = a_job_in_flight(&cluster, &mut holder, JOBS + 1);
     let mut client = cluster.connect();
     let held: Vec<i64> = (0..5)
         .filter_map(|_| harness::claim(&mut client, "held-at-the-stop", 1).map(|job| job.job_id))
@@ -368,10 +425,11 @@ fn immediate_shutdown_mid_load_then_restart_and_drain() {
     cluster.pg_ctl(&["start", "-w", "-t", "60"]);
     let mut client = cluster.connect_when_ready(Duration::from_secs(60));
     assert_eq!(count(&mut client, "SELECT 1::bigint"), 1, "the server came back");
-    let tally = drain_and_check(&cluster, "immediate_shutdown", JOBS, started);
+    let tally = drain_and_check(&cluster, "immediate_shutdown", JOBS + 1, started);
     externals.stop();
     println!("immediate_shutdown: {in_flight} jobs running just before the stop");
     assert!(tally.recovered >= 5, "jobs in flight at the stop ran again after it");
+    assert_ran_again(&mut client, held_job, "immediate_shutdown");
     assert_eq!(
         count(
             &mut client,
@@ -389,12 +447,29 @@ fn immediate_shutdown_mid_load_then_restart_and_drain() {
 
 /// Background workers cancelled and terminated (no crash: shared memory and its counters stay)
 /// while they run batches: a cancel rolls back what it hits, the jobs run again, and the
-/// counters count only what committed.
+/// counters count only what committed. A cancel and a terminate each hit a worker seen running a
+/// handler (`a_job_in_flight`); forty more signals land at fixed moments on whatever runs then.
+/// Broken on purpose: with the two aimed signals left out, the held jobs ran once (it counted
+/// signals sent before, which proved nothing of what they hit).
 #[test]
 fn terminated_background_workers_mid_batch() {
     const JOBS: i64 = 3_000;
     let (cluster, externals, started) = start_load(&format!("{WORKER_CONF}{FAULT_CONF}"), JOBS, 0.1);
     let mut client = cluster.connect();
+    let mut holder = cluster.connect();
+    let mut held_jobs = Vec::new();
+    for (n, signal) in [(JOBS + 1, "pg_cancel_backend"), (JOBS + 2, "pg_terminate_backend")] {
+        let (held_job, pid) = a_job_in_flight(&cluster, &mut holder, n);
+        let signalled: bool = client.query_one(&format!("SELECT {signal}($1)"), &[&pid]).unwrap().get(0);
+        assert!(signalled, "{signal} reached the worker");
+        // Then the lock goes, for the job's next attempt, which ends before the next held job
+        // comes (a retry of this one would otherwise be the handler seen waiting).
+        holder.execute("SELECT pg_advisory_unlock(4343)", &[]).unwrap();
+        wait_until(Duration::from_secs(60), "the held job's next attempt", || {
+            count(&mut client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {held_job} AND finished_at IS NOT NULL")) == 1
+        });
+        held_jobs.push(held_job);
+    }
     let mut terminated = 0;
     for round in 0..40 {
         thread::sleep(Duration::from_millis(75));
@@ -409,10 +484,13 @@ fn terminated_background_workers_mid_batch() {
             ),
         );
     }
-    let tally = drain_and_check(&cluster, "terminated_background_workers", JOBS, started);
+    let tally = drain_and_check(&cluster, "terminated_background_workers", JOBS + 2, started);
     externals.stop();
     assert!(terminated > 0, "workers were terminated");
     assert!(tally.recovered > 0);
+    for held_job in held_jobs {
+        assert_ran_again(&mut client, held_job, "terminated_background_workers");
+    }
     assert_counters_match_rows(&mut client, "terminated_background_workers");
     assert_workers_took_part(&cluster);
 }
