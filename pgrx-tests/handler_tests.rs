@@ -236,6 +236,46 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
     assert_eq!(listed, Ok(Some(vec!["dj_sv_grandchild".into(), "dj_sv_group".into(), "dj_sv_member".into()])));
 }
 
+/// A registration changed between a job's claim and the load of its batch (a role runner's
+/// batch, a batch after the first of a claim, a job handed over at enqueue, a rerun) is judged
+/// again at the load: unregistered and registered again by a role that holds none of the
+/// enqueuer's rights, it does not run, even with a routine the enqueuer owns (which the owner
+/// check alone lets run). Failed before: the load took the kind's registration whoever made it.
+#[pg_test]
+fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
+    Spi::run(
+        "CREATE ROLE dj_rc_enqueuer; CREATE ROLE dj_rc_admin IN ROLE dj_rc_enqueuer; CREATE ROLE dj_rc_stranger;
+         CREATE FUNCTION public.dj_rc_admins(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         CREATE FUNCTION public.dj_rc_purge(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         ALTER FUNCTION public.dj_rc_purge(jsonb) OWNER TO dj_rc_enqueuer;
+         INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+         VALUES ('dj_rc', 'public.dj_rc_admins(jsonb)', 'dj_rc_admin');
+         GRANT USAGE ON SCHEMA durable_jobs TO dj_rc_enqueuer;
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job TO dj_rc_enqueuer;
+         SET LOCAL ROLE dj_rc_enqueuer;
+         SELECT durable_jobs.enqueue_durable_job('dj_rc', '{}');
+         SELECT durable_jobs.enqueue_durable_job('dj_rc', '{}');
+         RESET ROLE;",
+    )
+    .unwrap();
+    let claimed: Vec<(i64, pgrx::Uuid)> = (0..2).map(|_| claim("w").unwrap()).collect();
+    let loaded = |job: (i64, pgrx::Uuid)| {
+        crate::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded").handler.map(|handler| handler.routine)
+    };
+    let admins = one::<pg_sys::Oid>("SELECT 'public.dj_rc_admins(jsonb)'::regprocedure::oid");
+    assert_eq!(loaded(claimed[0]), Some(admins), "the registration that served the claim");
+    Spi::run(
+        "UPDATE durable_jobs.durable_job_handler
+         SET handler = 'public.dj_rc_purge(jsonb)', registered_by = 'dj_rc_stranger' WHERE job_kind = 'dj_rc'",
+    )
+    .unwrap();
+    assert_eq!(loaded(claimed[1]), None, "a stranger's registration made after the claim");
+    Spi::run("UPDATE durable_jobs.durable_job_handler SET registered_by = 'dj_rc_admin' WHERE job_kind = 'dj_rc'")
+        .unwrap();
+    let purge = one::<pg_sys::Oid>("SELECT 'public.dj_rc_purge(jsonb)'::regprocedure::oid");
+    assert_eq!(loaded(claimed[1]), Some(purge), "the same routine registered by a role holding the enqueuer's rights");
+}
+
 #[pg_test]
 fn the_worker_checks_a_handler_again_when_it_calls_it() {
     // The load checks a batch's handlers once; a job later in the batch must not run a handler

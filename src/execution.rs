@@ -27,9 +27,11 @@ use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// For each claimed job whose lease is still exactly ours: its payload, its kind's registered
-/// handler (text, NULL when there is none), the enqueuing role, its lease expiry (Unix
-/// microseconds), kind and attempt. Whether the enqueuer may run the handler is decided in the
-/// library (`handlers::runnable_handler`), once per handler and enqueuer of the batch.
+/// handler (text, NULL when there is none, or when the registration is no longer one that serves
+/// the enqueuer: unregistered and registered again by another role since the claim, or the
+/// registering role no longer holds the enqueuer's rights), the enqueuing role, its lease expiry
+/// (Unix microseconds), kind and attempt. Whether the enqueuer may run the handler is decided in
+/// the library (`handlers::runnable_handler`), once per handler and enqueuer of the batch.
 pub(crate) const LOAD_JOBS: &str = "
     SELECT j.job_id,
            j.payload,
@@ -41,7 +43,11 @@ pub(crate) const LOAD_JOBS: &str = "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
+    LEFT JOIN durable_jobs.durable_job_handler h
+           ON h.job_kind = j.job_kind
+          AND (h.registered_by = j.enqueued_by
+               OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
+                                                          j.enqueued_by::pg_catalog.text))
     -- The token is the state check (see lease_fence in lease.rs).
     WHERE j.job_id = ANY ($1) AND j.lease_owner = $3";
 
