@@ -11,71 +11,102 @@ WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
 SELECT h.job_kind, h.handler, h.registered_by, h.registered_at,
        COALESCE(a.rolsuper, false) AS serves_every_role,
        CASE WHEN a.rolsuper IS NOT TRUE THEN
-           ARRAY(SELECT e.rolname FROM pg_catalog.pg_roles e
+           ARRAY(SELECT h.registered_by
+                 UNION
+                 SELECT e.rolname FROM pg_catalog.pg_roles e
                  WHERE NOT e.rolsuper AND pg_catalog.pg_has_role(a.oid, e.oid, 'USAGE')
-                 ORDER BY e.rolname)
+                   AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
+                            THEN pg_catalog.pg_has_role(a.oid, e.oid, 'SET') ELSE true END
+                 ORDER BY 1)
        END AS serves_roles
 FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 
--- Each registration whose jobs the rule of 0.5.0 ran for a role and the new rule does not: a
--- member of the registering role (or of the handler's owner) that the registering role (or the
--- owner) holds no rights of. Their jobs now wait for an external worker (a registration that no
--- longer serves them) or fail target_rejected (a handler owner that may no longer run as them).
--- A WARNING: PostgreSQL raises client_min_messages to WARNING while it runs an extension script.
+-- Each registration whose jobs the new rule runs for other roles than 0.5.0's did, as a WARNING
+-- (PostgreSQL raises client_min_messages to WARNING while it runs an extension script):
+-- - lost: a member of the registering role (or of the handler's owner) that role holds no
+--   rights of, whose jobs now wait for an external worker (or fail target_rejected);
+-- - gained: a role whose rights the registering role holds, not its member, whose jobs external
+--   workers took before and the background worker now runs.
+-- Names are shown with control characters replaced, so that none can forge a log line.
+-- Registrations whose routine no longer exists run nothing either way and are left out.
 DO $report$
 DECLARE
-    lost record;
+    change record;
 BEGIN
-    FOR lost IN
+    FOR change IN
         WITH registration AS (
-            SELECT h.job_kind, h.registered_by, h.handler, a.oid AS registrant, a.rolsuper AS registrant_is_superuser,
-                   o.oid AS owner, o.rolsuper AS owner_is_superuser
+            SELECT h.job_kind, h.registered_by, h.handler, a.oid AS registrant,
+                   a.rolsuper AS registrant_is_superuser, o.oid AS owner, o.rolsuper AS owner_is_superuser
             FROM durable_jobs.durable_job_handler h
             JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by
-            LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
-            LEFT JOIN pg_catalog.pg_roles o ON o.oid = p.proowner),
-        no_longer AS (
-            SELECT r.job_kind, r.registered_by, r.handler, e.rolname AS enqueuer,
-                   -- Served before and not now: the registrant's member, not its holder.
-                   NOT r.registrant_is_superuser AND e.oid <> r.registrant
-                   AND pg_catalog.pg_has_role(e.oid, r.registrant, 'USAGE')
-                   AND NOT pg_catalog.pg_has_role(r.registrant, e.oid, 'USAGE') AS unserved,
-                   -- Still served, but the handler's owner may no longer run as it.
-                   (r.registrant_is_superuser OR e.oid = r.registrant
-                    OR pg_catalog.pg_has_role(r.registrant, e.oid, 'USAGE'))
-                   AND NOT r.owner_is_superuser AND e.oid <> r.owner
-                   AND pg_catalog.pg_has_role(e.oid, r.owner, 'USAGE')
-                   AND NOT pg_catalog.pg_has_role(r.owner, e.oid, 'USAGE') AS rejected
+            JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
+            JOIN pg_catalog.pg_roles o ON o.oid = p.proowner),
+        pair AS (
+            SELECT r.*, e.oid AS enqueuer, e.rolname AS enqueuer_name,
+                   -- The rule of 0.5.0: the author's code ran for the roles that had its privileges.
+                   r.registrant_is_superuser OR pg_catalog.pg_has_role(e.oid, r.registrant, 'USAGE') AS old_registrant,
+                   pg_catalog.pg_has_role(e.oid, r.owner, 'USAGE') AS old_owner,
+                   -- This one: for the roles whose rights the author holds (and may become, 16 on).
+                   r.registrant_is_superuser
+                   OR (pg_catalog.pg_has_role(r.registrant, e.oid, 'USAGE')
+                       AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
+                                THEN pg_catalog.pg_has_role(r.registrant, e.oid, 'SET') ELSE true END) AS new_registrant,
+                   pg_catalog.pg_has_role(r.owner, e.oid, 'USAGE')
+                   AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
+                            THEN pg_catalog.pg_has_role(r.owner, e.oid, 'SET') ELSE true END AS new_owner
             FROM registration r
-            JOIN pg_catalog.pg_roles e ON NOT e.rolsuper)
-        SELECT n.job_kind, n.registered_by, n.handler,
-               pg_catalog.string_agg(pg_catalog.quote_ident(n.enqueuer), ', ' ORDER BY n.enqueuer)
-                   FILTER (WHERE n.unserved) AS unserved,
-               pg_catalog.string_agg(pg_catalog.quote_ident(n.enqueuer), ', ' ORDER BY n.enqueuer)
-                   FILTER (WHERE n.rejected) AS rejected,
-               (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job j
-                WHERE j.job_kind = n.job_kind AND j.job_state IN ('available', 'running')
-                  AND j.enqueued_by IN (SELECT m.enqueuer FROM no_longer m
-                                        WHERE m.job_kind = n.job_kind AND (m.unserved OR m.rejected)))
-                   AS pending
-        FROM no_longer n
-        WHERE n.unserved OR n.rejected
-        GROUP BY n.job_kind, n.registered_by, n.handler
-        ORDER BY n.job_kind
+            JOIN pg_catalog.pg_roles e ON NOT e.rolsuper AND e.oid <> r.registrant),
+        judged AS (
+            SELECT p.job_kind, p.registered_by, p.handler, p.enqueuer_name,
+                   p.old_registrant AND NOT p.new_registrant AS unserved,
+                   p.new_registrant AND NOT p.owner_is_superuser AND p.enqueuer <> p.owner
+                   AND p.old_owner AND NOT p.new_owner AS rejected,
+                   p.new_registrant AND NOT p.old_registrant
+                   AND (p.owner_is_superuser OR p.enqueuer = p.owner OR p.new_owner) AS gained
+            FROM pair p),
+        shown AS (
+            SELECT j.*,
+                   pg_catalog.regexp_replace(pg_catalog.quote_ident(j.enqueuer_name), '[[:cntrl:]]', '?', 'g') AS who,
+                   (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job d
+                    WHERE d.job_kind = j.job_kind AND d.enqueued_by = j.enqueuer_name
+                      AND d.job_state IN ('available', 'running')) AS pending
+            FROM judged j
+            WHERE j.unserved OR j.rejected OR j.gained)
+        SELECT pg_catalog.regexp_replace(s.handler, '[[:cntrl:]]', '?', 'g') AS handler,
+               pg_catalog.regexp_replace(pg_catalog.quote_literal(s.job_kind), '[[:cntrl:]]', '?', 'g') AS job_kind,
+               pg_catalog.regexp_replace(pg_catalog.quote_ident(s.registered_by), '[[:cntrl:]]', '?', 'g') AS registered_by,
+               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.unserved) AS unserved,
+               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.rejected) AS rejected,
+               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.gained) AS gained,
+               pg_catalog.sum(s.pending) FILTER (WHERE s.unserved OR s.rejected) AS lost_pending,
+               pg_catalog.sum(s.pending) FILTER (WHERE s.gained) AS gained_pending
+        FROM shown s
+        GROUP BY s.job_kind, s.registered_by, s.handler
+        ORDER BY s.job_kind
     LOOP
-        RAISE WARNING USING
-            MESSAGE = pg_catalog.format(
-                'durable_jobs: the handler %s registered for job kind %L by %I no longer runs the jobs of%s%s (%s of them pending)',
-                lost.handler, lost.job_kind, lost.registered_by,
-                CASE WHEN lost.unserved IS NOT NULL
-                     THEN ' ' || lost.unserved || ' (the registering role does not hold their rights: their jobs wait for an external worker)' ELSE '' END,
-                CASE WHEN lost.rejected IS NOT NULL
-                     THEN ' ' || lost.rejected || ' (the handler''s owner does not hold their rights: their jobs fail target_rejected)' ELSE '' END,
-                lost.pending),
-            HINT = 'A role''s code runs as another role only when it holds that role''s rights. '
-                   'Grant the enqueuing role to the registering role and to the handler''s owner '
-                   '(GRANT app_producer TO app_admin), or register the handler as a role that has them; '
-                   'durable_jobs.durable_job_handlers shows whom each registration serves.';
+        IF change.unserved IS NOT NULL OR change.rejected IS NOT NULL THEN
+            RAISE WARNING USING
+                MESSAGE = pg_catalog.format(
+                    'durable_jobs: the handler %s registered for job kind %s by %s no longer runs the jobs of%s%s (%s of them pending)',
+                    change.handler, change.job_kind, change.registered_by,
+                    CASE WHEN change.unserved IS NOT NULL
+                         THEN ' ' || change.unserved || ' (the registering role does not hold their rights: their jobs wait for an external worker)' ELSE '' END,
+                    CASE WHEN change.rejected IS NOT NULL
+                         THEN ' ' || change.rejected || ' (the handler''s owner does not hold their rights: their jobs fail target_rejected)' ELSE '' END,
+                    change.lost_pending),
+                HINT = 'A role''s code runs as another role only when it holds that role''s rights, so a group''s '
+                       'handler never runs as its members. Register the handler as a role that holds the rights of '
+                       'each role whose jobs it is to run (a role granted each of them: GRANT app_alice, app_bob TO '
+                       'app_admin), with a routine that role or a superuser owns; or have the members enqueue as '
+                       'the group (SET ROLE). durable_jobs.durable_job_handlers shows whom each registration serves.';
+        END IF;
+        IF change.gained IS NOT NULL THEN
+            RAISE WARNING USING
+                MESSAGE = pg_catalog.format(
+                    'durable_jobs: the handler %s registered for job kind %s by %s now runs the jobs of %s, whose rights the registering role holds (%s of them pending, left to external workers until now)',
+                    change.handler, change.job_kind, change.registered_by, change.gained, change.gained_pending),
+                HINT = 'Unregister the kind, or register it as another role, if external workers are to keep serving those roles.';
+        END IF;
     END LOOP;
 END
 $report$;

@@ -5,19 +5,42 @@
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
 
 -- A view cannot drop columns in place: it is made again, and given back its owner, the grants
--- made on it, and the initial privileges pg_dump compares them with (so that a dump still
--- carries those grants, as before the downgrade).
+-- made on it and on its columns (as granted by its owner: a superuser's script cannot grant in
+-- another's name), and the initial privileges pg_dump compares them with, so that a dump still
+-- carries those grants, as before the downgrade. A view of yours over it stops the downgrade.
 DO $remake$
 DECLARE
     view_oid pg_catalog.oid := 'durable_jobs.durable_job_handlers'::pg_catalog.regclass;
     owner pg_catalog.oid;
     acl pg_catalog.aclitem[];
-    initial pg_catalog.aclitem[];
+    column_grants record;
+    saved_columns pg_catalog.text[] := '{}';
+    saved_column_acls pg_catalog.text[] := '{}';
+    initial record;
+    saved_initial_subids pg_catalog.int4[] := '{}';
+    saved_initial_types pg_catalog.char[] := '{}';
+    saved_initial_privs pg_catalog.text[] := '{}';
     privilege record;
+    i pg_catalog.int4;
 BEGIN
     SELECT c.relowner, c.relacl INTO owner, acl FROM pg_catalog.pg_class c WHERE c.oid = view_oid;
-    SELECT i.initprivs INTO initial FROM pg_catalog.pg_init_privs i
-    WHERE i.objoid = view_oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
+    FOR column_grants IN
+        SELECT a.attname, a.attacl FROM pg_catalog.pg_attribute a
+        WHERE a.attrelid = view_oid AND a.attnum BETWEEN 1 AND 4 AND a.attacl IS NOT NULL
+    LOOP
+        saved_columns := saved_columns || column_grants.attname::pg_catalog.text;
+        saved_column_acls := saved_column_acls || column_grants.attacl::pg_catalog.text;
+    END LOOP;
+    FOR initial IN
+        SELECT i.objsubid, i.privtype, i.initprivs FROM pg_catalog.pg_init_privs i
+        WHERE i.objoid = view_oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass
+          AND i.objsubid BETWEEN 0 AND 4
+    LOOP
+        saved_initial_subids := saved_initial_subids || initial.objsubid;
+        saved_initial_types := saved_initial_types || initial.privtype;
+        saved_initial_privs := saved_initial_privs || initial.initprivs::pg_catalog.text;
+    END LOOP;
+
     DROP VIEW durable_jobs.durable_job_handlers;
     CREATE VIEW durable_jobs.durable_job_handlers AS
     WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
@@ -36,12 +59,26 @@ BEGIN
                  ELSE privilege.grantee::pg_catalog.regrole::pg_catalog.text END,
             CASE WHEN privilege.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
     END LOOP;
-    IF initial IS NULL THEN
-        DELETE FROM pg_catalog.pg_init_privs
-        WHERE objoid = view_oid AND classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND objsubid = 0;
-    ELSE
-        UPDATE pg_catalog.pg_init_privs SET initprivs = initial
-        WHERE objoid = view_oid AND classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND objsubid = 0;
-    END IF;
+    FOR i IN 1 .. pg_catalog.cardinality(saved_columns) LOOP
+        FOR privilege IN
+            SELECT a.grantee, a.privilege_type, a.is_grantable
+            FROM pg_catalog.aclexplode(saved_column_acls[i]::pg_catalog.aclitem[]) a
+        LOOP
+            EXECUTE pg_catalog.format('GRANT %s (%I) ON durable_jobs.durable_job_handlers TO %s%s',
+                privilege.privilege_type, saved_columns[i],
+                CASE WHEN privilege.grantee = 0 THEN 'PUBLIC'
+                     ELSE privilege.grantee::pg_catalog.regrole::pg_catalog.text END,
+                CASE WHEN privilege.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        END LOOP;
+    END LOOP;
+    -- The grants above were recorded as initial privileges, as anything an extension script
+    -- grants is: the view's are put back as they were.
+    DELETE FROM pg_catalog.pg_init_privs
+    WHERE objoid = view_oid AND classoid = 'pg_catalog.pg_class'::pg_catalog.regclass;
+    FOR i IN 1 .. pg_catalog.cardinality(saved_initial_subids) LOOP
+        INSERT INTO pg_catalog.pg_init_privs (objoid, classoid, objsubid, privtype, initprivs)
+        VALUES (view_oid, 'pg_catalog.pg_class'::pg_catalog.regclass, saved_initial_subids[i],
+                saved_initial_types[i], saved_initial_privs[i]::pg_catalog.aclitem[]);
+    END LOOP;
 END
 $remake$;

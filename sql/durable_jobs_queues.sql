@@ -91,16 +91,21 @@ GROUP BY j.queue_name, j.last_failure_code;
 -- What an operator who registers handlers or controls queues may read of them. The WITH makes
 -- them read-only whatever is granted on them (PostgreSQL does not update through a WITH query).
 -- Since 0.6.0, whose jobs each registration serves, as durable_job_handler_serves decides: a
--- superuser's every role's, another role's its own and those of the roles whose privileges it
--- has (pg_has_role USAGE), never a superuser's; none once the registering role is dropped.
+-- superuser's every role's; another role's its own (by name) and those of the roles, not
+-- superusers, whose privileges it has (pg_has_role USAGE) and, from PostgreSQL 16 on, which it
+-- may become (SET; the CASE keeps PostgreSQL 15, which has no such privilege, from evaluating it).
 CREATE VIEW durable_jobs.durable_job_handlers AS
 WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
 SELECT h.job_kind, h.handler, h.registered_by, h.registered_at,
        COALESCE(a.rolsuper, false) AS serves_every_role,
        CASE WHEN a.rolsuper IS NOT TRUE THEN
-           ARRAY(SELECT e.rolname FROM pg_catalog.pg_roles e
+           ARRAY(SELECT h.registered_by
+                 UNION
+                 SELECT e.rolname FROM pg_catalog.pg_roles e
                  WHERE NOT e.rolsuper AND pg_catalog.pg_has_role(a.oid, e.oid, 'USAGE')
-                 ORDER BY e.rolname)
+                   AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
+                            THEN pg_catalog.pg_has_role(a.oid, e.oid, 'SET') ELSE true END
+                 ORDER BY 1)
        END AS serves_roles
 FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 

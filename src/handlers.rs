@@ -179,8 +179,25 @@ fn runs_code_of(enqueuer: pg_sys::Oid, author: pg_sys::Oid) -> bool {
         pg_sys::superuser_arg(author)
             || (enqueuer != pg_sys::Oid::INVALID
                 && !pg_sys::superuser_arg(enqueuer)
-                && pg_sys::has_privs_of_role(author, enqueuer))
+                && pg_sys::has_privs_of_role(author, enqueuer)
+                && may_become(author, enqueuer))
     }
+}
+
+/// From PostgreSQL 16 a membership can give a role's privileges without the right to become it
+/// (`GRANT e TO a WITH SET FALSE`); what comes only with becoming it (its attributes, such as
+/// BYPASSRLS or CREATEROLE, and its identity) is then not the author's, so the author must be
+/// able to `SET ROLE` to the enqueuer too, as PostgreSQL 16 asks of a subscription's owner for
+/// each table's. On 15, a membership that inherits privileges can always be used to become the
+/// role.
+#[cfg(feature = "pg15")]
+unsafe fn may_become(_author: pg_sys::Oid, _enqueuer: pg_sys::Oid) -> bool {
+    true
+}
+
+#[cfg(not(feature = "pg15"))]
+unsafe fn may_become(author: pg_sys::Oid, enqueuer: pg_sys::Oid) -> bool {
+    unsafe { pg_sys::member_can_set_role(author, enqueuer) }
 }
 
 /// The oid of the role named `name`; invalid when there is none.

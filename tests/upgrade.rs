@@ -339,7 +339,8 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
 
 /// The update to 0.6.0 warns of each registration whose jobs the trust rule of 0.5.0 ran for a role
 /// and the new rule does not (a group's registration for its members; a superuser's registration
-/// of a routine a group owns), naming the roles and counting their pending jobs, and of no other;
+/// of a routine a group owns), and of each that now runs the jobs of roles it did not (an
+/// administrator granted a producer's role), naming the roles and counting their pending jobs;
 /// the way back keeps the grants made on durable_job_handlers, which it makes again, and the
 /// initial privileges pg_dump compares them with.
 #[test]
@@ -377,22 +378,30 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
              SELECT durable_jobs.enqueue_durable_job('by_team', '{}') FROM generate_series(1, 2);
              RESET ROLE;
              GRANT SELECT ON durable_jobs.durable_job_handlers TO up_monitor;
-             GRANT SELECT ON durable_jobs.durable_job_handlers TO up_admin WITH GRANT OPTION;",
+             GRANT SELECT ON durable_jobs.durable_job_handlers TO up_admin WITH GRANT OPTION;
+             GRANT SELECT (job_kind, handler) ON durable_jobs.durable_job_handlers TO up_alice;",
         )
         .unwrap();
-    let privileges = "SELECT c.relacl::text, i.initprivs::text FROM pg_class c
-                      JOIN pg_init_privs i ON i.objoid = c.oid AND i.classoid = 'pg_class'::regclass
+    let privileges = "SELECT c.relacl::text || ' ' || i.initprivs::text || ' '
+                             || (SELECT string_agg(a.attname || '=' || a.attacl::text, ' ' ORDER BY a.attnum)
+                                 FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attacl IS NOT NULL)
+                      FROM pg_class c
+                      JOIN pg_init_privs i ON i.objoid = c.oid AND i.classoid = 'pg_class'::regclass AND i.objsubid = 0
                       WHERE c.oid = 'durable_jobs.durable_job_handlers'::regclass";
-    let privileges_of = |client: &mut Client| -> (String, String) {
-        client.query_one(privileges, &[]).map(|row| (row.get(0), row.get(1))).unwrap()
-    };
+    let privileges_of = |client: &mut Client| -> String { client.query_one(privileges, &[]).unwrap().get(0) };
     let granted = privileges_of(&mut client);
-    assert!(granted.0.contains("up_monitor=r/") && granted.0.contains("up_admin=r*/"), "{granted:?}");
+    assert!(
+        granted.contains("up_monitor=r/") && granted.contains("up_admin=r*/") && granted.contains("handler={up_alice=r/"),
+        "{granted}"
+    );
 
     client.batch_execute("ALTER EXTENSION durable_jobs UPDATE").unwrap();
     assert_eq!(
         std::mem::take(&mut *warnings.lock().unwrap()),
         [
+            "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_admin' by up_admin \
+             now runs the jobs of up_producer, whose rights the registering role holds (0 of them pending, left to \
+             external workers until now)",
             "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_team' by up_team \
              no longer runs the jobs of up_alice, up_bob (the registering role does not hold their rights: their \
              jobs wait for an external worker) (2 of them pending)",
