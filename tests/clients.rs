@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 const SETUP: &str = "
     CREATE TABLE public.greetings (name text);
     SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"alice\"}');
-    -- Slower than its 1 s lease: only lease extension keeps it from being reclaimed.
-    SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"bob\", \"seconds\": 2.5}');
+    -- Slower than its 3 s lease: only lease extension keeps it from being reclaimed.
+    SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"bob\", \"seconds\": 7.5}');
     SELECT durable_jobs.enqueue_durable_job('mystery', '{}');
     SELECT durable_jobs.enqueue_durable_job('greet', '{\"name\": \"carol\", \"fail\": \"transient\"}',
                                             NULL, 'default', now(), 1);
@@ -21,14 +21,15 @@ fn examples_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/examples")
 }
 
-/// Starts `worker` against a fresh cluster holding the SETUP jobs, with a 1 s lease, and checks
-/// what it does with them.
+/// Starts `worker` against a fresh cluster holding the SETUP jobs, with a 3 s lease (extended
+/// every second by the examples' heartbeat: a loaded machine has two seconds to get one in; with
+/// 1 s leases it had a third of a second), and checks what it does with them.
 fn run_example_worker(mut worker: Command, what: &str) {
     let cluster = Cluster::start("");
     cluster.connect().batch_execute(SETUP).unwrap();
     let worker = worker
         .env("DURABLE_JOBS_DSN", cluster.connection_string())
-        .env("DURABLE_JOBS_LEASE_SECONDS", "1")
+        .env("DURABLE_JOBS_LEASE_SECONDS", "3")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -4,9 +4,25 @@
 //! privileges). A group's code never runs as its members, so one member cannot reach another's
 //! rights through their group; an administrator granted a producer's role serves its jobs.
 
-use harness::{error_text, job_outcome, wait_until, Cluster, WORKER_CONF};
+use harness::{error_text, job_outcome, wait_until, workers_waiting_on, Cluster};
 use postgres::Client;
 use std::time::Duration;
+
+/// A worker that polls only when an enqueue's commit wakes it (a ten-minute poll interval), so
+/// that it sleeps, and an enqueue may lease it its job, whenever the tests wait for that.
+const WORKER_WOKEN_BY_ENQUEUES: &str = "shared_preload_libraries = 'durable_jobs'\n\
+                                        durable_jobs.worker_enabled = on\n\
+                                        durable_jobs.poll_interval = '10min'\n";
+
+/// The state of job `job_id` as `client`'s own transaction sees it (get_durable_job).
+fn state_in(client: &mut impl postgres::GenericClient, job_id: i64) -> String {
+    client.query_one("SELECT job_state FROM durable_jobs.get_durable_job($1)", &[&job_id]).unwrap().get(0)
+}
+
+/// Waits until the worker sleeps: an enqueue then leases its job to it if the rule lets it.
+fn wait_for_the_workers_sleep(admin: &mut Client) {
+    wait_until(Duration::from_secs(30), "the worker's sleep", || workers_waiting_on(admin, "Extension") == 1);
+}
 
 /// Waits until job `job_id` has ended (succeeded, failed or cancelled).
 fn wait_until_finished(admin: &mut Client, job_id: i64) {
@@ -18,7 +34,7 @@ fn wait_until_finished(admin: &mut Client, job_id: i64) {
     });
 }
 
-fn enqueue(client: &mut Client, statement: &str) -> i64 {
+fn enqueue(client: &mut impl postgres::GenericClient, statement: &str) -> i64 {
     client.query_one(statement, &[]).unwrap_or_else(|e| panic!("{statement}: {}", error_text(&e))).get(0)
 }
 
@@ -42,7 +58,7 @@ fn serves(admin: &mut Client, kind: &str) -> (bool, Option<Vec<String>>) {
 /// a member (before 0.6.0 it ran as esc_alice too).
 #[test]
 fn a_groups_code_never_runs_as_its_members() {
-    let cluster = Cluster::start(WORKER_CONF);
+    let cluster = Cluster::start(WORKER_WOKEN_BY_ENQUEUES);
     let mut admin = cluster.connect();
     admin
         .batch_execute(
@@ -75,8 +91,13 @@ fn a_groups_code_never_runs_as_its_members() {
         .unwrap();
 
     let mut alice = cluster.connect_as("esc_alice");
-    // Enqueued while the worker sleeps: the enqueue's direct lease asks the rule too.
-    let alices_job = enqueue(&mut alice, "SELECT durable_jobs.enqueue_durable_job('esc_send_report', '{}')");
+    // Enqueued while the worker sleeps: the enqueue's direct lease asks the rule too, and leaves
+    // the job available (a lease would show it running in the enqueuing transaction).
+    wait_for_the_workers_sleep(&mut admin);
+    let mut transaction = alice.transaction().unwrap();
+    let alices_job = enqueue(&mut transaction, "SELECT durable_jobs.enqueue_durable_job('esc_send_report', '{}')");
+    assert_eq!(state_in(&mut transaction, alices_job), "available", "not leased at enqueue");
+    transaction.commit().unwrap();
     let alices_other_job = enqueue(&mut alice, "SELECT durable_jobs.enqueue_durable_job('esc_for_all', '{}')");
     // The group's own job of the same kind, enqueued after esc_alice's (job_id and run_after)
     // and never leased at enqueue (enqueue_durable_jobs): the worker claims in that order, so by
@@ -115,7 +136,7 @@ fn a_groups_code_never_runs_as_its_members() {
 /// grant to enqueue and to execute the handler.
 #[test]
 fn an_administrator_granted_the_producers_role_serves_its_jobs() {
-    let cluster = Cluster::start(WORKER_CONF);
+    let cluster = Cluster::start(WORKER_WOKEN_BY_ENQUEUES);
     let mut admin = cluster.connect();
     admin
         .batch_execute(
@@ -125,7 +146,8 @@ fn an_administrator_granted_the_producers_role_serves_its_jobs() {
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, app_admin, app_stranger;
              GRANT EXECUTE ON FUNCTION
                  durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
-                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer)
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer),
+                 durable_jobs.get_durable_job(bigint)
                TO app_producer, app_stranger;
              GRANT EXECUTE ON FUNCTION durable_jobs.register_durable_job_handler(text, regprocedure) TO app_admin;",
         )
@@ -156,11 +178,16 @@ fn an_administrator_granted_the_producers_role_serves_its_jobs() {
     wait_until_finished(&mut admin, producers_job);
     assert_eq!(job_outcome(&mut admin, &format!("job_id = {producers_job}")), ("succeeded".into(), None, 1));
     assert_eq!(job_outcome(&mut admin, &format!("job_id = {strangers_job}")), ("available".into(), None, 0));
-    // And through the enqueue that leases its job to a sleeping worker.
+    // And through the enqueue that leases its job to a sleeping worker (running in its own
+    // transaction already), which runs it without a claim.
+    wait_for_the_workers_sleep(&mut admin);
+    let mut transaction = producer.transaction().unwrap();
     let producers_next_job = enqueue(
-        &mut producer,
+        &mut transaction,
         "SELECT durable_jobs.enqueue_durable_job('send_welcome', '{\"to\": \"grace@example.com\"}')",
     );
+    assert_eq!(state_in(&mut transaction, producers_next_job), "running", "leased at enqueue");
+    transaction.commit().unwrap();
     wait_until_finished(&mut admin, producers_next_job);
     assert_eq!(job_outcome(&mut admin, &format!("job_id = {producers_next_job}")), ("succeeded".into(), None, 1));
     let sent: Vec<(String, String)> = admin
