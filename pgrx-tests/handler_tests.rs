@@ -146,14 +146,14 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
                      row.get::<pg_sys::Oid>(3).unwrap().unwrap())
                 })
             });
-            let checked = crate::handlers::runnable_handler(handler, enqueuer)
+            let checked = crate::handlers::runnable_handler(handler, enqueuer, enqueuer)
                 .map(|found| (found.routine, found.is_procedure, found.role));
             assert_eq!(checked, expected, "{handler} enqueued by {enqueuer}");
             if checked.is_some() { runnable += 1 } else { refused += 1 }
         }
     }
     assert!(runnable >= 8 && refused >= 20, "{runnable} runnable, {refused} refused");
-    let may_run = |handler: &str, enqueuer: &str| crate::handlers::runnable_handler(handler, enqueuer).is_some();
+    let may_run = |handler: &str, enqueuer: &str| crate::handlers::runnable_handler(handler, enqueuer, enqueuer).is_some();
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a group's code never runs as its member");
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "nor as a member's member");
     assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_owner"), "the owner's own code runs as itself");
@@ -240,7 +240,11 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
 /// batch, a batch after the first of a claim, a job handed over at enqueue, a rerun) is judged
 /// again at the load: unregistered and registered again by a role that holds none of the
 /// enqueuer's rights, it does not run, even with a routine the enqueuer owns (which the owner
-/// check alone lets run). Failed before: the load took the kind's registration whoever made it.
+/// check alone lets run), and the job goes back to the queue with its attempt, to wait for an
+/// external worker as it would have at the claim. Failed before: the load took the kind's
+/// registration whoever made it. And a registering role that loses the enqueuer's rights after
+/// the load (its membership revoked while the batch runs) stops the job at its call, as a
+/// handler's owner does: failed before, the job ran.
 #[pg_test]
 fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
     Spi::run(
@@ -259,21 +263,44 @@ fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
     )
     .unwrap();
     let claimed: Vec<(i64, pgrx::Uuid)> = (0..2).map(|_| claim("w").unwrap()).collect();
-    let loaded = |job: (i64, pgrx::Uuid)| {
-        crate::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded").handler.map(|handler| handler.routine)
-    };
+    let load = |job: (i64, pgrx::Uuid)| crate::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded");
     let admins = one::<pg_sys::Oid>("SELECT 'public.dj_rc_admins(jsonb)'::regprocedure::oid");
-    assert_eq!(loaded(claimed[0]), Some(admins), "the registration that served the claim");
+    let first = load(claimed[0]);
+    assert_eq!(first.handler.map(|handler| handler.routine), Some(admins), "the registration that served the claim");
     Spi::run(
         "UPDATE durable_jobs.durable_job_handler
          SET handler = 'public.dj_rc_purge(jsonb)', registered_by = 'dj_rc_stranger' WHERE job_kind = 'dj_rc'",
     )
     .unwrap();
-    assert_eq!(loaded(claimed[1]), None, "a stranger's registration made after the claim");
+    let second = load(claimed[1]);
+    assert!(second.handler.is_none() && second.given_back, "a stranger's registration made after the claim");
+    assert_eq!(
+        (job_state(claimed[1].0), job_field::<i32>(claimed[1].0, "attempt_count")),
+        ("available".to_string(), Some(0)),
+        "given back with its attempt"
+    );
+    // Registered again by a role with the enqueuer's rights: loaded, and runnable until that
+    // role's membership goes.
     Spi::run("UPDATE durable_jobs.durable_job_handler SET registered_by = 'dj_rc_admin' WHERE job_kind = 'dj_rc'")
         .unwrap();
+    Spi::run(&format!("UPDATE durable_jobs.durable_job SET run_after = now() WHERE job_id = {}", claimed[1].0)).unwrap();
+    let again = claim("w").expect("claimed again");
+    let handler = load(again).handler.expect("runnable");
     let purge = one::<pg_sys::Oid>("SELECT 'public.dj_rc_purge(jsonb)'::regprocedure::oid");
-    assert_eq!(loaded(claimed[1]), Some(purge), "the same routine registered by a role holding the enqueuer's rights");
+    assert_eq!(handler.routine, purge, "the same routine registered by a role holding the enqueuer's rights");
+    let call = || {
+        let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
+        match crate::execution::in_subtransaction(|| {
+            crate::execution::call_handler(handler, payload);
+            true
+        }) {
+            Ok(_) => "ran".to_string(),
+            Err(error) => error.sqlstate(),
+        }
+    };
+    assert_eq!(call(), "ran");
+    Spi::run("REVOKE dj_rc_enqueuer FROM dj_rc_admin").unwrap();
+    assert_eq!(call(), "42501", "the registering role no longer holds the enqueuer's rights");
 }
 
 #[pg_test]
@@ -287,7 +314,8 @@ fn the_worker_checks_a_handler_again_when_it_calls_it() {
          ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_enqueuer;",
     )
     .unwrap();
-    let handler = crate::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer").expect("runnable at load");
+    let handler =
+        crate::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
     let call = || {
         let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
         match crate::execution::in_subtransaction(|| {

@@ -21,92 +21,102 @@ SELECT h.job_kind, h.handler, h.registered_by, h.registered_at,
        END AS serves_roles
 FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 
--- Each registration whose jobs the new rule runs for other roles than 0.5.0's did, as a WARNING
--- (PostgreSQL raises client_min_messages to WARNING while it runs an extension script):
--- - lost: a member of the registering role (or of the handler's owner) that role holds no
---   rights of, whose jobs now wait for an external worker (or fail target_rejected);
--- - gained: a role whose rights the registering role holds, not its member, whose jobs external
---   workers took before and the background worker now runs.
--- Names are shown with control characters replaced, so that none can forge a log line.
--- Registrations whose routine no longer exists run nothing either way and are left out.
+-- Each registration whose jobs the background worker treats otherwise under the new rule than
+-- under 0.5.0's, as a WARNING (PostgreSQL raises client_min_messages to WARNING while it runs
+-- an extension script), one per registration and change:
+-- - no longer claimed: a member of the registering role, which holds none of its rights; its
+--   jobs now wait for an external worker;
+-- - claimed and now failed: the handler's owner holds none of the role's rights, or the role may
+--   not execute the handler; its jobs fail target_rejected (they ran under 0.5.0, or were left to
+--   external workers);
+-- - now run: jobs the worker now claims and runs, which it left to external workers, or failed.
+-- Registrations whose routine no longer exists are left out (they run nothing either way), and
+-- so is every database but the one the background workers work in, when that is known. Names are
+-- shown with control characters replaced, so that none can forge a log line.
 DO $report$
 DECLARE
     change record;
 BEGIN
+    IF pg_catalog.current_setting('durable_jobs.database', true) IS DISTINCT FROM NULL
+       AND pg_catalog.current_setting('durable_jobs.database', true) <> pg_catalog.current_database() THEN
+        RETURN;
+    END IF;
     FOR change IN
         WITH registration AS (
-            SELECT h.job_kind, h.registered_by, h.handler, a.oid AS registrant,
-                   a.rolsuper AS registrant_is_superuser, o.oid AS owner, o.rolsuper AS owner_is_superuser
+            SELECT h.job_kind, h.registered_by, h.handler, p.oid AS routine, p.pronamespace AS routine_schema,
+                   a.oid AS registrant, a.rolsuper AS registrant_is_superuser,
+                   o.oid AS owner, o.rolsuper AS owner_is_superuser
             FROM durable_jobs.durable_job_handler h
             JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by
             JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
             JOIN pg_catalog.pg_roles o ON o.oid = p.proowner),
-        pair AS (
-            SELECT r.*, e.oid AS enqueuer, e.rolname AS enqueuer_name,
-                   -- The rule of 0.5.0: the author's code ran for the roles that had its privileges.
-                   r.registrant_is_superuser OR pg_catalog.pg_has_role(e.oid, r.registrant, 'USAGE') AS old_registrant,
-                   pg_catalog.pg_has_role(e.oid, r.owner, 'USAGE') AS old_owner,
-                   -- This one: for the roles whose rights the author holds (and may become, 16 on).
+        rights AS (
+            -- For each registration and ordinary role but the registering one: whose code ran for
+            -- it under 0.5.0 (the roles that had the author's privileges) and does now (the roles
+            -- whose rights the author holds, and from PostgreSQL 16 may become).
+            SELECT r.*, e.rolname AS enqueuer_name,
+                   pg_catalog.has_function_privilege(e.oid, r.routine, 'EXECUTE')
+                   AND pg_catalog.has_schema_privilege(e.oid, r.routine_schema, 'USAGE') AS may_execute,
+                   r.registrant_is_superuser OR pg_catalog.pg_has_role(e.oid, r.registrant, 'USAGE') AS claimed_before,
                    r.registrant_is_superuser
                    OR (pg_catalog.pg_has_role(r.registrant, e.oid, 'USAGE')
                        AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
-                                THEN pg_catalog.pg_has_role(r.registrant, e.oid, 'SET') ELSE true END) AS new_registrant,
-                   pg_catalog.pg_has_role(r.owner, e.oid, 'USAGE')
-                   AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
-                            THEN pg_catalog.pg_has_role(r.owner, e.oid, 'SET') ELSE true END AS new_owner
+                                THEN pg_catalog.pg_has_role(r.registrant, e.oid, 'SET') ELSE true END) AS claimed_now,
+                   r.owner_is_superuser OR e.oid = r.owner
+                   OR pg_catalog.pg_has_role(e.oid, r.owner, 'USAGE') AS owner_before,
+                   r.owner_is_superuser OR e.oid = r.owner
+                   OR (pg_catalog.pg_has_role(r.owner, e.oid, 'USAGE')
+                       AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
+                                THEN pg_catalog.pg_has_role(r.owner, e.oid, 'SET') ELSE true END) AS owner_now
             FROM registration r
             JOIN pg_catalog.pg_roles e ON NOT e.rolsuper AND e.oid <> r.registrant),
-        judged AS (
-            SELECT p.job_kind, p.registered_by, p.handler, p.enqueuer_name,
-                   p.old_registrant AND NOT p.new_registrant AS unserved,
-                   p.new_registrant AND NOT p.owner_is_superuser AND p.enqueuer <> p.owner
-                   AND p.old_owner AND NOT p.new_owner AS rejected,
-                   p.new_registrant AND NOT p.old_registrant
-                   AND (p.owner_is_superuser OR p.enqueuer = p.owner OR p.new_owner) AS gained
-            FROM pair p),
+        outcome AS (
+            SELECT x.job_kind, x.registered_by, x.handler, x.enqueuer_name,
+                   CASE WHEN NOT x.claimed_before THEN 'left'
+                        WHEN x.owner_before AND x.may_execute THEN 'ran' ELSE 'failed' END AS before,
+                   CASE WHEN NOT x.claimed_now THEN 'left'
+                        WHEN x.owner_now AND x.may_execute THEN 'ran' ELSE 'failed' END AS now
+            FROM rights x),
         shown AS (
-            SELECT j.*,
-                   pg_catalog.regexp_replace(pg_catalog.quote_ident(j.enqueuer_name), '[[:cntrl:]]', '?', 'g') AS who,
+            SELECT o.job_kind, o.registered_by, o.handler, o.now,
+                   pg_catalog.regexp_replace(pg_catalog.quote_ident(o.enqueuer_name), '[[:cntrl:]]', '?', 'g') AS who,
                    (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job d
-                    WHERE d.job_kind = j.job_kind AND d.enqueued_by = j.enqueuer_name
+                    WHERE d.job_kind = o.job_kind AND d.enqueued_by = o.enqueuer_name
                       AND d.job_state IN ('available', 'running')) AS pending
-            FROM judged j
-            WHERE j.unserved OR j.rejected OR j.gained)
-        SELECT pg_catalog.regexp_replace(s.handler, '[[:cntrl:]]', '?', 'g') AS handler,
+            FROM outcome o
+            WHERE o.before <> o.now)
+        SELECT s.now,
+               pg_catalog.regexp_replace(s.handler, '[[:cntrl:]]', '?', 'g') AS handler,
                pg_catalog.regexp_replace(pg_catalog.quote_literal(s.job_kind), '[[:cntrl:]]', '?', 'g') AS job_kind,
                pg_catalog.regexp_replace(pg_catalog.quote_ident(s.registered_by), '[[:cntrl:]]', '?', 'g') AS registered_by,
-               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.unserved) AS unserved,
-               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.rejected) AS rejected,
-               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) FILTER (WHERE s.gained) AS gained,
-               pg_catalog.sum(s.pending) FILTER (WHERE s.unserved OR s.rejected) AS lost_pending,
-               pg_catalog.sum(s.pending) FILTER (WHERE s.gained) AS gained_pending
+               pg_catalog.string_agg(s.who, ', ' ORDER BY s.who) AS roles,
+               pg_catalog.sum(s.pending) AS pending
         FROM shown s
-        GROUP BY s.job_kind, s.registered_by, s.handler
-        ORDER BY s.job_kind
+        GROUP BY s.job_kind, s.registered_by, s.handler, s.now
+        ORDER BY s.job_kind, s.now
     LOOP
-        IF change.unserved IS NOT NULL OR change.rejected IS NOT NULL THEN
-            RAISE WARNING USING
-                MESSAGE = pg_catalog.format(
-                    'durable_jobs: the handler %s registered for job kind %s by %s no longer runs the jobs of%s%s (%s of them pending)',
-                    change.handler, change.job_kind, change.registered_by,
-                    CASE WHEN change.unserved IS NOT NULL
-                         THEN ' ' || change.unserved || ' (the registering role does not hold their rights: their jobs wait for an external worker)' ELSE '' END,
-                    CASE WHEN change.rejected IS NOT NULL
-                         THEN ' ' || change.rejected || ' (the handler''s owner does not hold their rights: their jobs fail target_rejected)' ELSE '' END,
-                    change.lost_pending),
-                HINT = 'A role''s code runs as another role only when it holds that role''s rights, so a group''s '
-                       'handler never runs as its members. Register the handler as a role that holds the rights of '
-                       'each role whose jobs it is to run (a role granted each of them: GRANT app_alice, app_bob TO '
-                       'app_admin), with a routine that role or a superuser owns; or have the members enqueue as '
-                       'the group (SET ROLE). durable_jobs.durable_job_handlers shows whom each registration serves.';
-        END IF;
-        IF change.gained IS NOT NULL THEN
-            RAISE WARNING USING
-                MESSAGE = pg_catalog.format(
-                    'durable_jobs: the handler %s registered for job kind %s by %s now runs the jobs of %s, whose rights the registering role holds (%s of them pending, left to external workers until now)',
-                    change.handler, change.job_kind, change.registered_by, change.gained, change.gained_pending),
-                HINT = 'Unregister the kind, or register it as another role, if external workers are to keep serving those roles.';
-        END IF;
+        RAISE WARNING USING
+            MESSAGE = pg_catalog.format(
+                'durable_jobs: the handler %s registered for job kind %s by %s %s the jobs of %s (%s of them pending)',
+                change.handler, change.job_kind, change.registered_by,
+                CASE change.now
+                    WHEN 'left' THEN 'no longer runs'
+                    WHEN 'failed' THEN 'now fails with target_rejected'
+                    ELSE 'now runs' END,
+                change.roles || CASE change.now
+                    WHEN 'left' THEN ' (the registering role holds none of their rights: their jobs wait for an external worker)'
+                    WHEN 'failed' THEN ' (the handler''s owner holds none of their rights, or they may not execute it)'
+                    ELSE ' (the registering role and the handler''s owner hold their rights)' END,
+                change.pending),
+            HINT = CASE change.now
+                WHEN 'ran' THEN 'Unregister the kind, or register it as another role, if external workers are to keep '
+                                'serving those roles.'
+                ELSE 'A role''s code runs as another role only when it holds that role''s rights, so a group''s '
+                     'handler never runs as its members. Register the handler as a role that holds the rights of '
+                     'each role whose jobs it is to run (a role granted each of them: GRANT app_alice, app_bob TO '
+                     'app_admin), with a routine that role or a superuser owns; or have the members enqueue as '
+                     'the group (SET ROLE). durable_jobs.durable_job_handlers shows whom each registration serves.'
+                END;
     END LOOP;
 END
 $report$;

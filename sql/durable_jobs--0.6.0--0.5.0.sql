@@ -5,9 +5,10 @@
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
 
 -- A view cannot drop columns in place: it is made again, and given back its owner, the grants
--- made on it and on its columns (as granted by its owner: a superuser's script cannot grant in
--- another's name), and the initial privileges pg_dump compares them with, so that a dump still
--- carries those grants, as before the downgrade. A view of yours over it stops the downgrade.
+-- made on it and on its columns (all recorded as granted by its owner, also those another role
+-- with the grant option made), and the initial privileges pg_dump compares them with, so that a
+-- dump still carries those grants, as before the downgrade. A view of yours over it stops the
+-- downgrade.
 DO $remake$
 DECLARE
     view_oid pg_catalog.oid := 'durable_jobs.durable_job_handlers'::pg_catalog.regclass;

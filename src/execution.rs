@@ -10,7 +10,7 @@
 //! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
-use crate::handlers::{may_run_routine, routine_still_exists, runnable_handler, RunnableHandler};
+use crate::handlers::{may_run_routine, registrant_serves, routine_still_exists, runnable_handler, RunnableHandler};
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
@@ -27,11 +27,12 @@ use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// For each claimed job whose lease is still exactly ours: its payload, its kind's registered
-/// handler (text, NULL when there is none, or when the registration is no longer one that serves
-/// the enqueuer: unregistered and registered again by another role since the claim, or the
-/// registering role no longer holds the enqueuer's rights), the enqueuing role, its lease expiry
-/// (Unix microseconds), kind and attempt. Whether the enqueuer may run the handler is decided in
-/// the library (`handlers::runnable_handler`), once per handler and enqueuer of the batch.
+/// handler (text, NULL when there is none), the enqueuing role, its lease expiry (Unix
+/// microseconds), kind and attempt, the role that registered the handler and whether that
+/// registration serves the enqueuer now (it may not: unregistered and registered again by another
+/// role since the claim, or the registering role no longer holds the enqueuer's rights). Whether
+/// the enqueuer may run the handler is decided in the library (`handlers::runnable_handler`),
+/// once per handler, enqueuer and registering role of the batch.
 pub(crate) const LOAD_JOBS: &str = "
     SELECT j.job_id,
            j.payload,
@@ -39,15 +40,14 @@ pub(crate) const LOAD_JOBS: &str = "
            j.enqueued_by::pg_catalog.text,
            (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8,
            j.job_kind,
-           j.attempt_count
+           j.attempt_count,
+           h.registered_by::pg_catalog.text,
+           h.registered_by = j.enqueued_by
+           OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text, j.enqueued_by::pg_catalog.text)
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
-    LEFT JOIN durable_jobs.durable_job_handler h
-           ON h.job_kind = j.job_kind
-          AND (h.registered_by = j.enqueued_by
-               OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
-                                                          j.enqueued_by::pg_catalog.text))
+    LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
     -- The token is the state check (see lease_fence in lease.rs).
     WHERE j.job_id = ANY ($1) AND j.lease_owner = $3";
 
@@ -62,41 +62,57 @@ pub(crate) struct LoadedJob {
     lease_expires_unix_us: i64,
     job_kind: String,
     attempt_count: i32,
+    /// Given back to the queue at the load, with its attempt: its kind's registration no longer
+    /// serves its enqueuer (the job waits for an external worker, as it would had that been so at
+    /// the claim). Not run, and counted as nothing.
+    pub(crate) given_back: bool,
 }
 
 /// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
+/// A job whose kind's registration no longer serves its enqueuer is given back here.
 pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
-        Spi::connect_mut(|client| {
+        let loaded: HashMap<i64, LoadedJob> = Spi::connect_mut(|client| {
             let mut runnable = RunnableHandlers::default();
             plans::execute_generic(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
+                    let handler: Option<String> = row.get(3).unwrap();
+                    let given_back = handler.is_some() && row.get::<bool>(9).unwrap() == Some(false);
+                    let enqueuer: String = row.get(4).unwrap().unwrap();
+                    let registrant: Option<String> = row.get(8).unwrap();
                     let job = LoadedJob {
                         payload: row.get(2).unwrap().unwrap(),
-                        handler: runnable.of(row.get(3).unwrap(), row.get(4).unwrap().unwrap()),
+                        handler: if given_back { None } else { runnable.of(handler, enqueuer, registrant) },
                         lease_expires_unix_us: row.get(5).unwrap().unwrap(),
                         job_kind: row.get(6).unwrap().unwrap(),
                         attempt_count: row.get(7).unwrap().unwrap(),
+                        given_back,
                     };
                     (row.get::<i64>(1).unwrap().unwrap(), job)
                 })
                 .collect()
-        })
+        });
+        let given_back: Vec<(i64, Uuid)> =
+            jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
+        if !given_back.is_empty() {
+            lease::release_unstarted(&given_back, worker_id);
+        }
+        loaded
     })
 }
 
-/// A batch's jobs share a few handlers and enqueuers: each pair is checked once.
+/// A batch's jobs share a few handlers, enqueuers and registering roles: each is checked once.
 #[derive(Default)]
-struct RunnableHandlers(HashMap<(String, String), Option<RunnableHandler>>);
+struct RunnableHandlers(HashMap<(String, String, String), Option<RunnableHandler>>);
 
 impl RunnableHandlers {
-    fn of(&mut self, registered: Option<String>, enqueuer: String) -> Option<RunnableHandler> {
-        let registered = registered?;
+    fn of(&mut self, registered: Option<String>, enqueuer: String, registrant: Option<String>) -> Option<RunnableHandler> {
+        let (registered, registrant) = (registered?, registrant?);
         *self
             .0
-            .entry((registered, enqueuer))
-            .or_insert_with_key(|(registered, enqueuer)| runnable_handler(registered, enqueuer))
+            .entry((registered, enqueuer, registrant))
+            .or_insert_with_key(|(registered, enqueuer, registrant)| runnable_handler(registered, enqueuer, registrant))
     }
 }
 
@@ -109,6 +125,7 @@ pub(crate) struct ClaimedRow {
     lease_token: Uuid,
     payload: Vec<u8>,
     handler: Option<String>,
+    registered_by: Option<String>,
     enqueued_by: String,
     lease_expires_unix_us: i64,
     job_kind: String,
@@ -121,6 +138,7 @@ impl ClaimedRow {
             lease_token: job.lease_token,
             payload: job.payload.to_bytes(),
             handler: job.handler,
+            registered_by: job.registered_by,
             enqueued_by: job.enqueued_by,
             lease_expires_unix_us: unix_us(job.lease_expires_at),
             job_kind: job.job_kind,
@@ -155,10 +173,11 @@ fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows) -> Option<Hash
         let loaded = rows.into_iter().map(|(job_id, row)| {
             let job = LoadedJob {
                 payload: JsonbDatum::from_bytes(&row.payload),
-                handler: runnable.of(row.handler.clone(), row.enqueued_by.clone()),
+                handler: runnable.of(row.handler.clone(), row.enqueued_by.clone(), row.registered_by.clone()),
                 lease_expires_unix_us: row.lease_expires_unix_us,
                 job_kind: row.job_kind.clone(),
                 attempt_count: row.attempt_count,
+                given_back: false,
             };
             (job_id, job)
         });
@@ -298,8 +317,11 @@ pub fn run_jobs(
                     complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
                     completion = Completion::PerJob;
                 }
-                let remaining: Vec<(i64, Uuid)> =
-                    jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
+                let remaining: Vec<(i64, Uuid)> = jobs[position..]
+                    .iter()
+                    .filter(|(id, _)| loaded.get(id).is_some_and(|job| !job.given_back))
+                    .copied()
+                    .collect();
                 // The claim's leases were taken, and are renewed, together: `expiry` is the
                 // soonest of them, `later`'s included.
                 let waits = RowWaits::new(expiry, margin_ms);
@@ -331,6 +353,7 @@ pub fn run_jobs(
                     let lease = (*job_id, *lease_token);
                     match loaded.remove(job_id) {
                         None => tally.count(Counter::Stale),
+                        Some(job) if job.given_back => {}
                         Some(job) => {
                             let expiry = job.lease_expires_unix_us;
                             let timing = (timeout_ms, margin_ms);
@@ -465,7 +488,8 @@ fn run_job(
     tally: &mut Tally,
 ) -> Outcome {
     let Some(handler) = job.handler else {
-        // No handler, an enqueuer that no longer exists, or a handler it may not run.
+        // No handler, an enqueuer that no longer exists, or a handler it may not run (its
+        // owner or its registering role holds none of the enqueuer's rights).
         return Outcome::Failed(FailureCode::TargetRejected, None);
     };
     if !routine_still_exists(handler.routine) {
@@ -519,11 +543,12 @@ fn run_job(
 pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
     unsafe {
         // Checked again at the call, not only when the batch resolved it: a grant, the owner,
-        // the role or the routine itself may have changed since. The caller's `routine_still_exists`
+        // the registering role's memberships, the role or the routine itself may have changed since. The caller's `routine_still_exists`
         // has just taken in other sessions' changes to the catalog caches.
         if pg_sys::pg_proc_aclcheck(handler.routine, handler.role, pg_sys::ACL_EXECUTE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK
             || may_run_routine(handler.routine, handler.role).is_none()
+            || !registrant_serves(&handler)
         {
             ereport!(
                 ERROR,

@@ -214,21 +214,30 @@ thread_local! {
 }
 
 /// A handler the background worker may run: the routine that was checked (called by its oid, so
-/// that no name resolved later can stand in for it), whether it is a procedure, and the role to
-/// run it as.
+/// that no name resolved later can stand in for it), whether it is a procedure, the role to run
+/// it as, and the role that registered it when that is another role (whose rights over the
+/// enqueuer are checked again at the call, `registrant_serves`, as the owner's are).
 #[derive(Clone, Copy)]
 pub(crate) struct RunnableHandler {
     pub routine: pg_sys::Oid,
     pub is_procedure: bool,
     pub role: pg_sys::Oid,
+    pub registrant: Option<pg_sys::Oid>,
 }
 
-/// The routine a registration names (`handler`, its stored text, read as `to_regprocedure`
-/// reads it), when the role named `enqueuer` may run it: the role exists and may execute it, it
-/// returns no set, and its owner is a superuser or, for an enqueuer that is not one, a role that
-/// has the enqueuer's privileges (itself or a member of it, `runs_code_of`). From the catalog caches,
-/// not a query: as a query over pg_roles this was most of the cost of loading a batch.
-pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<RunnableHandler> {
+/// Whether the role that registered `handler` still holds the rights of the role it runs as: a
+/// membership revoked (or the enqueuer made a superuser) while a batch runs stops its later jobs.
+pub(crate) fn registrant_serves(handler: &RunnableHandler) -> bool {
+    handler.registrant.is_none_or(|registrant| runs_code_of(handler.role, registrant))
+}
+
+/// The routine a registration by `registered_by` names (`handler`, its stored text, read as
+/// `to_regprocedure` reads it), when the role named `enqueuer` may run it: the role exists and
+/// may execute it, it returns no set, and its owner and the registering role are superusers or,
+/// for an enqueuer that is not one, roles that have the enqueuer's privileges (itself or a
+/// member of it, `runs_code_of`). From the catalog caches, not a query: as a query over
+/// pg_roles this was most of the cost of loading a batch.
+pub(crate) fn runnable_handler(handler: &str, enqueuer: &str, registered_by: &str) -> Option<RunnableHandler> {
     #[cfg(any(test, feature = "pg_test"))]
     HANDLER_CHECKS.with(|checks| checks.set(checks.get() + 1));
     unsafe {
@@ -240,7 +249,17 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str) -> Option<Runnable
         if role == pg_sys::Oid::INVALID {
             return None;
         }
-        may_run_routine(routine, role).map(|is_procedure| RunnableHandler { routine, is_procedure, role })
+        let registrant = if registered_by == enqueuer {
+            None
+        } else {
+            // A role that no longer exists (an invalid oid) has no one's rights.
+            let registrant = role_oid(registered_by);
+            if !runs_code_of(role, registrant) {
+                return None;
+            }
+            Some(registrant)
+        };
+        may_run_routine(routine, role).map(|is_procedure| RunnableHandler { routine, is_procedure, role, registrant })
     }
 }
 

@@ -183,10 +183,12 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
                 OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
                                                            durable_job.enqueued_by::pg_catalog.text)))",
         new_state_version!(),
-        // The kind's handler, so that a batch run right after this claim commits need not read
-        // its jobs again (`execution::ClaimedRow`).
+        // The kind's handler and who registered it, so that a batch run right after this claim
+        // commits need not read its jobs again (`execution::ClaimedRow`).
         ",
                           (SELECT h.handler FROM durable_jobs.durable_job_handler h
+                           WHERE h.job_kind = j.job_kind),
+                          (SELECT h.registered_by::pg_catalog.text FROM durable_jobs.durable_job_handler h
                            WHERE h.job_kind = j.job_kind)"
     ),
     "
@@ -538,8 +540,10 @@ pub struct ClaimedJob {
     pub attempt_count: i32,
     pub max_attempts: i32,
     pub enqueued_by: String,
-    /// The kind's registered handler: claims of the background worker only.
+    /// The kind's registered handler, and the role that registered it: claims of the background
+    /// worker only.
     pub handler: Option<String>,
+    pub registered_by: Option<String>,
 }
 
 /// How many exhausted leases one expiry ends at most (the `LIMIT` of `expire_exhausted_ctes`).
@@ -617,6 +621,7 @@ pub fn claim_jobs(
                         max_attempts: row.get(7).unwrap().unwrap(),
                         enqueued_by: row.get(8).unwrap().unwrap(),
                         handler: if handlers_only { row.get(9).unwrap() } else { None },
+                        registered_by: if handlers_only { row.get(10).unwrap() } else { None },
                     })
                     .collect();
             waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);

@@ -339,13 +339,16 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
 
 /// The update to 0.6.0 warns of each registration whose jobs the trust rule of 0.5.0 ran for a role
 /// and the new rule does not (a group's registration for its members; a superuser's registration
-/// of a routine a group owns), and of each that now runs the jobs of roles it did not (an
-/// administrator granted a producer's role), naming the roles and counting their pending jobs;
+/// of a routine a group owns), and of each that now claims the jobs of roles it did not (an
+/// administrator granted a producer's role), to run them or, when the routine's owner holds none
+/// of their rights, to fail them, naming the roles and counting their pending jobs;
 /// the way back keeps the grants made on durable_job_handlers, which it makes again, and the
 /// initial privileges pg_dump compares them with.
 #[test]
 fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
-    let cluster = Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'");
+    // The database the background workers work in: the update reports nowhere else.
+    let cluster =
+        Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.database = 'trust'");
     cluster.connect().batch_execute("CREATE DATABASE trust").unwrap();
     let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let collected = warnings.clone();
@@ -369,10 +372,13 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
              CREATE FUNCTION public.up_superusers(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
              CREATE FUNCTION public.up_teams(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
              ALTER FUNCTION public.up_teams(jsonb) OWNER TO up_team;
+             CREATE FUNCTION public.up_monitors(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+             ALTER FUNCTION public.up_monitors(jsonb) OWNER TO up_monitor;
              INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by) VALUES
                  ('by_team', 'public.up_superusers(jsonb)', 'up_team'),
                  ('teams_routine', 'public.up_teams(jsonb)', current_user),
                  ('by_admin', 'public.up_superusers(jsonb)', 'up_admin'),
+                 ('admin_owner_bad', 'public.up_monitors(jsonb)', 'up_admin'),
                  ('by_superuser', 'public.up_superusers(jsonb)', current_user);
              SET ROLE up_alice;
              SELECT durable_jobs.enqueue_durable_job('by_team', '{}') FROM generate_series(1, 2);
@@ -399,15 +405,18 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
     assert_eq!(
         std::mem::take(&mut *warnings.lock().unwrap()),
         [
+            "durable_jobs: the handler public.up_monitors(jsonb) registered for job kind 'admin_owner_bad' by up_admin \
+             now fails with target_rejected the jobs of up_producer (the handler's owner holds none of their \
+             rights, or they may not execute it) (0 of them pending)",
             "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_admin' by up_admin \
-             now runs the jobs of up_producer, whose rights the registering role holds (0 of them pending, left to \
-             external workers until now)",
+             now runs the jobs of up_producer (the registering role and the handler's owner hold their rights) \
+             (0 of them pending)",
             "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_team' by up_team \
-             no longer runs the jobs of up_alice, up_bob (the registering role does not hold their rights: their \
+             no longer runs the jobs of up_alice, up_bob (the registering role holds none of their rights: their \
              jobs wait for an external worker) (2 of them pending)",
             "durable_jobs: the handler public.up_teams(jsonb) registered for job kind 'teams_routine' by postgres \
-             no longer runs the jobs of up_alice, up_bob (the handler's owner does not hold their rights: their \
-             jobs fail target_rejected) (0 of them pending)",
+             now fails with target_rejected the jobs of up_alice, up_bob (the handler's owner holds none of their \
+             rights, or they may not execute it) (0 of them pending)",
         ]
     );
     let serves: Vec<(String, bool, Option<Vec<String>>)> = client
@@ -420,6 +429,7 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
     assert_eq!(
         serves,
         [
+            ("admin_owner_bad".to_string(), false, roles(&["up_admin", "up_producer"])),
             ("by_admin".to_string(), false, roles(&["up_admin", "up_producer"])),
             ("by_superuser".to_string(), true, None),
             ("by_team".to_string(), false, roles(&["up_team"])),
