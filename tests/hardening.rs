@@ -562,8 +562,11 @@ fn a_bad_job_fails_alone_and_the_worker_survives() {
 
 #[test]
 fn every_job_of_a_batch_gets_a_whole_lease() {
+    // Five jobs of 1.4 s in one claim of 4 s leases: the later ones run long after the claim's
+    // leases would have lapsed, unless each gets a whole lease before its handler. (2 s leases and
+    // 0.7 s jobs before, whose 1.1 s of slack in each handler a loaded machine could eat.)
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 5\ndurable_jobs.lease_duration = 2\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 5\ndurable_jobs.lease_duration = 4\n"
     ));
     let mut client = cluster.connect();
     client
@@ -571,7 +574,7 @@ fn every_job_of_a_batch_gets_a_whole_lease() {
             "CREATE TABLE public.effects (n integer);
              CREATE FUNCTION public.slow(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN
-                 PERFORM pg_sleep(0.7);
+                 PERFORM pg_sleep(1.4);
                  INSERT INTO public.effects VALUES ((payload->>'n')::integer);
              END $$;
              SELECT durable_jobs.register_durable_job_handler('slow', 'public.slow(jsonb)');
@@ -1641,17 +1644,19 @@ fn the_writes_of_the_worker_and_of_role_runners_reach_the_statistics() {
 fn a_large_batch_of_another_role_keeps_every_lease_until_it_runs() {
     // app_a's job binds the worker; then one claim takes 600 of app_b's jobs (one attempt each),
     // more than one hand-over to the role runner carries, and many times longer to run than a
-    // one-second lease. A batch completes its successes at its end, so their leases are renewed
+    // two-second lease. A batch completes its successes at its end, so their leases are renewed
     // with the rest: broken on purpose, renewing only the jobs still to run let 512 of them lapse.
+    // (One-second leases before, which a stall of under a second on a loaded machine could let
+    // lapse.)
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 1000\ndurable_jobs.lease_duration = 1\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 1000\ndurable_jobs.lease_duration = 2\n"
     ));
     admin
         .batch_execute(
             "CREATE TABLE public.effects (who name);
              GRANT INSERT ON public.effects TO PUBLIC;
              CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_sleep(0.01); INSERT INTO public.effects VALUES (current_user) $$;
+                 AS $$ SELECT pg_sleep(0.02); INSERT INTO public.effects VALUES (current_user) $$;
              SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');",
         )
         .unwrap();
@@ -1817,14 +1822,15 @@ fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
 
 #[test]
 fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
-    // One claim: app_a's job (the worker's own role) running 2.5 s of a 3 s lease, then 257 jobs
+    // One claim: app_a's job (the worker's own role) running 6.5 s of a 9 s lease, then 257 jobs
     // of app_b (one attempt each), which a role runner takes in two hand-overs of at most 256.
     // The 257th waits in the worker while the first hand-over runs (about 1.5 s): its lease,
     // taken with the claim, is renewed as soon as that hand-over starts. Failed before: the first
-    // renewal came a third of a lease after the hand-over started, when that lease had lapsed,
-    // and the job ended as lease_expired without running.
+    // renewal came a third of a lease (3 s) after the hand-over started, when that lease had
+    // lapsed, and the job ended as lease_expired without running. (With 3 s leases and a 2.5 s
+    // job, as before, a loaded machine had a third of a second for the hand-over to start.)
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 300\ndurable_jobs.lease_duration = 3\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 300\ndurable_jobs.lease_duration = 9\n"
     ));
     admin
         .batch_execute(
@@ -1843,7 +1849,7 @@ fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
     app_a.execute("SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 0}')", &[]).unwrap();
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    app_a.execute("SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 2.5}')", &[]).unwrap();
+    app_a.execute("SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 6.5}')", &[]).unwrap();
     app_b
         .execute(
             "SELECT count(*) FROM (SELECT durable_jobs.enqueue_durable_job('paced', '{\"seconds\": 0.005}',
