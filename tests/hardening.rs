@@ -744,18 +744,19 @@ fn an_idempotency_key_tells_one_role_nothing_of_another_roles_jobs() {
 
 #[test]
 fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_their_first_attempt() {
-    // A batch of four jobs under 2 s leases, renewed in its transaction before each handler:
+    // A batch of four jobs under 6 s leases, renewed in its transaction before each handler:
     // jobs 1 and 4 write through postgres_fdw (a loopback) a row that breaks a deferred unique
-    // constraint of the remote table, jobs 2, 3 and 4 sleep 1.2 s first. postgres_fdw commits the
-    // remote transaction at the batch's commit, some 3.6 s in, which fails as a whole then, when
+    // constraint of the remote table, jobs 2, 3 and 4 sleep 3.6 s first. postgres_fdw commits the
+    // remote transaction at the batch's commit, some 10.8 s in, which fails as a whole then, when
     // the leases its claim committed have lapsed. Nobody took the jobs (owner and tokens are
     // still the worker's): the renewal after the rollback gives them their leases back, and each
     // runs again alone, on its first attempt; job 4's own transaction fails again after its lease
     // from job 3's transaction lapsed, and its failure is still recorded. Failed before: that
     // renewal wanted a live lease, no job could run again, and all ended as lease_expired (and
-    // with only the jobs after the failing one renewed, job 4 as lease_expired).
+    // with only the jobs after the failing one renewed, job 4 as lease_expired). (Leases of 2 s
+    // and naps of 1.2 s before, whose 0.6 s of slack a loaded machine could eat.)
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 4\ndurable_jobs.lease_duration = 2\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 4\ndurable_jobs.lease_duration = 6\n"
     ));
     let mut client = cluster.connect();
     client
@@ -779,7 +780,7 @@ fn a_batch_that_fails_as_a_whole_after_its_leases_lapsed_runs_its_jobs_again_on_
              SELECT durable_jobs.pause_durable_job_queue('default');
              SELECT durable_jobs.enqueue_durable_job('work', jsonb_build_object('nap', nap, 'remote', remote),
                                                      max_attempts => 1)
-             FROM (VALUES (1, 0, true), (2, 1.2, false), (3, 1.2, false), (4, 1.2, true)) AS j(n, nap, remote)
+             FROM (VALUES (1, 0, true), (2, 3.6, false), (3, 3.6, false), (4, 3.6, true)) AS j(n, nap, remote)
              ORDER BY n;
              SELECT durable_jobs.resume_durable_job_queue('default');",
             cluster.port
