@@ -142,25 +142,38 @@ fn completion_after_lease_expiry_is_stale_and_does_not_overwrite_the_reclaim() {
 /// claim's `run_after <= now()` dropped, the first claim took the job and the test failed.
 #[test]
 fn a_retried_job_is_claimable_only_after_its_backoff() {
-    let cluster = Cluster::start("durable_jobs.retry_base_delay = '2s'\n");
+    let cluster = Cluster::start("durable_jobs.retry_base_delay = '4s'\n");
     let mut client = cluster.connect();
     let job_id = enqueue(&mut client, "later", 1)[0];
     let job = claim(&mut client, "w", 60).unwrap();
     assert_eq!(fail(&mut client, &job, "w", "target_unavailable"), "retried");
-    // The first retry waits 1 to 2 s (base delay 2 s times a jitter factor in [0.5, 1)).
+    // The first retry waits 2 to 4 s (base delay 4 s times a jitter factor in [0.5, 1)), from the
+    // failure's own clock (run_after and updated_at come from one UPDATE). (It was measured from
+    // a later statement's clock before, with no slack at the smallest jitter.)
     let waits: f64 = client
         .query_one(
-            "SELECT extract(epoch FROM run_after - clock_timestamp())::float8
-             FROM durable_jobs.durable_job WHERE job_id = $1",
+            "SELECT extract(epoch FROM run_after - updated_at)::float8 FROM durable_jobs.durable_job WHERE job_id = $1",
             &[&job_id],
         )
         .unwrap()
         .get(0);
-    assert!((0.5..2.0).contains(&waits), "{waits}");
+    assert!((2.0..4.0).contains(&waits), "{waits}");
     assert!(claim(&mut client, "w", 60).is_none(), "not claimable before its backoff ends");
-    thread::sleep(Duration::from_secs_f64(waits + 0.2));
-    let again = claim(&mut client, "w", 60).expect("claimable once its backoff ended");
+    let mut again = None;
+    wait_until(Duration::from_secs(30), "the job claimable once its backoff ended", || {
+        again = claim(&mut client, "w", 60);
+        again.is_some()
+    });
+    let again = again.unwrap();
     assert_eq!((again.job_id, again.attempt_count), (job_id, 2));
+    let claimed_after_its_backoff: bool = client
+        .query_one(
+            "SELECT lease_expires_at - interval '60 seconds' >= run_after FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[&job_id],
+        )
+        .unwrap()
+        .get(0);
+    assert!(claimed_after_its_backoff, "claimed before its run_after");
 }
 
 #[test]
