@@ -1153,9 +1153,12 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
     // One claim takes app_a's slow job and quick job, then app_b's job (one attempt only). While
     // the slow job runs, app_a holds the row of its quick job (a cancel left open), so the lease
     // renewal before the quick job cannot lock it: it must skip that job, not wait, fail the
-    // batch and lose the renewal of app_b's lease with it.
+    // batch and lose the renewal of app_b's lease with it. (Leases of 4 s and a slow job of 3 s
+    // before: twice that now, so that the hold has six seconds to land and the slow job 1.2 s of
+    // slack before its statement timeout; the cancel must find the row, or the test proves
+    // nothing.)
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 8\n"
     ));
     let mut admin = cluster.connect();
     admin.batch_execute(APP_ROLES).unwrap();
@@ -1177,7 +1180,7 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
     let mut app_b = cluster.connect_as("app_b");
     app_a
         .batch_execute(
-            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 3, "what": "slow"}', priority => 10);"#,
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 6, "what": "slow"}', priority => 10);"#,
         )
         .unwrap();
     let held: i64 = app_a
@@ -1210,8 +1213,9 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut holding = app_a.transaction().unwrap();
-    holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap();
-    wait_until(Duration::from_secs(20), "app_b's job to finish", || {
+    let cancelled: bool = holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap().get(0);
+    assert!(cancelled, "app_a holds its quick job's row while the slow job runs");
+    wait_until(Duration::from_secs(30), "app_b's job to finish", || {
         count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE enqueued_by = 'app_b' AND finished_at IS NOT NULL") == 1
     });
     holding.rollback().unwrap();
@@ -1226,6 +1230,12 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
         1,
         "app_a's slow job committed once, with its batch"
     );
+    // Its batch did not fail: a failed batch runs its jobs again one by one, which the checks
+    // above do not tell from one that never failed. Broken on purpose (the renewal waiting for
+    // the held row and raising when it gave up): the batch failed as a whole and this failed,
+    // while every check above passed.
+    let log = cluster.server_log();
+    assert!(!log.contains("failed as a whole") && !log.contains("failed with SQLSTATE"), "{log}");
 }
 
 #[test]
