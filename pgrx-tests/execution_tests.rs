@@ -54,3 +54,35 @@ fn an_error_after_a_job_subtransaction_joined_its_parent_fails_the_transaction()
     let outcome = write_a_row_in_a_job_subtransaction();
     panic!("in_subtransaction returned instead: {:?}", outcome.map_err(|failure| failure.message));
 }
+
+/// The worker's waits for rows other sessions hold, in one step of a batch (`RowWaits`): each
+/// at most a quarter of what the leases at stake have left beyond a reserve of a quarter of the
+/// margin, and together, waited one after another in full, at most half the margin, so that
+/// those leases are still live when the step ends. The arithmetic the end-to-end tests of held
+/// rows at renewal depend on, pinned here whatever the machine's speed. Broken on purpose (each
+/// wait a fixed quarter of the margin): the first assertion failed, 500 against 150 ms.
+#[pg_test]
+fn waits_for_held_rows_leave_every_lease_of_the_step_live() {
+    let second = 1_000_000i64;
+    let start = 1_000 * second;
+    // A 20 s lease's margin (2 s), 1.1 s left: a handler that used its whole timeout.
+    let waits = crate::execution::RowWaits::starting_at(start, start + 1_100_000, 2_000);
+    assert_eq!(waits.wait_ms_at(start), 150, "(1,100 - 500) / 4 ms");
+    for (left_ms, margin_ms) in [(1_100i64, 2_000i64), (9_500, 1_000), (3_000, 300), (60_000, 2_000), (400, 100)] {
+        let waits = crate::execution::RowWaits::starting_at(start, start + left_ms * 1000, margin_ms);
+        // One wait after another, each used in full, as long as the step allows one.
+        let (mut now, mut waited_ms) = (start, 0i64);
+        loop {
+            let wait_ms = waits.wait_ms_at(now);
+            if wait_ms < 1 {
+                break;
+            }
+            let left_now_ms = (start + left_ms * 1000 - now) / 1000;
+            assert!(wait_ms <= (left_now_ms - margin_ms / 4) / 4, "{left_ms} ms left, margin {margin_ms}: one wait of {wait_ms}");
+            now += wait_ms * 1000;
+            waited_ms += wait_ms;
+        }
+        assert!(waited_ms <= margin_ms / 2, "{left_ms} ms left, margin {margin_ms}: {waited_ms} ms of waits in one step");
+        assert!(start + left_ms * 1000 > now, "the leases outlive the step's waits");
+    }
+}

@@ -209,7 +209,7 @@ fn lease_margin_ms(lease_seconds: i32) -> i64 {
 /// used its whole timeout only half the margin is left; the waits that follow one another (a
 /// completion, a failure, one per held row in the renewals) then still leave those leases live
 /// when they are renewed, and a renewal's waits leave the next handler more than its timeout.
-struct RowWaits {
+pub(crate) struct RowWaits {
     soonest_expiry_unix_us: i64,
     margin_ms: i64,
     step_ends_unix_us: i64,
@@ -217,17 +217,27 @@ struct RowWaits {
 
 impl RowWaits {
     fn new(soonest_expiry_unix_us: i64, margin_ms: i64) -> RowWaits {
-        let step_ends_unix_us = now_unix_us() + margin_ms * 1000 / 2;
+        RowWaits::starting_at(now_unix_us(), soonest_expiry_unix_us, margin_ms)
+    }
+
+    /// The waits of a step that starts at `now_unix_us`.
+    pub(crate) fn starting_at(now_unix_us: i64, soonest_expiry_unix_us: i64, margin_ms: i64) -> RowWaits {
+        let step_ends_unix_us = now_unix_us + margin_ms * 1000 / 2;
         RowWaits { soonest_expiry_unix_us, margin_ms, step_ends_unix_us }
+    }
+
+    /// How long a statement of the step that starts at `now_unix_us` may wait for a row, in ms
+    /// (0 or less: no time is left).
+    pub(crate) fn wait_ms_at(&self, now_unix_us: i64) -> i64 {
+        let slack_ms = self.soonest_expiry_unix_us.saturating_sub(now_unix_us) / 1000 - self.margin_ms / 4;
+        let step_left_ms = (self.step_ends_unix_us - now_unix_us) / 1000;
+        (slack_ms / 4).min(step_left_ms / 2)
     }
 
     /// Sets lock_timeout for the next statement; false when no time is left to wait (the
     /// statement then waits 1 ms at most: 0 would wait for ever).
     fn arm(&self) -> bool {
-        let now = now_unix_us();
-        let slack_ms = self.soonest_expiry_unix_us.saturating_sub(now) / 1000 - self.margin_ms / 4;
-        let step_left_ms = (self.step_ends_unix_us - now) / 1000;
-        let wait_ms = (slack_ms / 4).min(step_left_ms / 2);
+        let wait_ms = self.wait_ms_at(now_unix_us());
         let timeout = std::ffi::CString::new(format!("{}ms", wait_ms.max(1))).expect("no NUL");
         unsafe { set_at_this_level(c"lock_timeout", &timeout) };
         wait_ms >= 1
