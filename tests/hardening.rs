@@ -4,7 +4,7 @@
 //! or a slow batch never takes the worker or the other jobs of a batch down. Each test failed
 //! against 0.2.0.
 
-use harness::{count, error_text, job_outcome, metric, sqlstate, wait_until, Cluster, WORKER_CONF};
+use harness::{count, error_text, job_outcome, metric, sqlstate, wait_until, workers_waiting_on, Cluster, WORKER_CONF};
 use postgres::Client;
 use std::time::Duration;
 
@@ -1388,7 +1388,12 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     // most half the margin in all, so that the second job's failure, recorded when its statement
     // timeout cuts it, still lands inside its lease. Broken on purpose (each wait up to 1 s, no
     // limit per step): the failure came after the lease's end, and the job ended
-    // `failed/lease_expired` instead of `failed/target_unavailable`, in 3 runs of 3.
+    // `failed/lease_expired` instead of `failed/target_unavailable`, in 3 runs of 3 (the
+    // arithmetic of those waits is pinned, whatever the machine, by the pg_test
+    // waits_for_held_rows_leave_every_lease_of_the_step_live). The first job waits for an
+    // advisory lock the test holds until app_b's hold is in place, then runs 0.6 s more, past the
+    // point where the leases need renewing (it slept 1.5 s before, within which the hold had to
+    // land, or the hold itself failed on its lock timeout).
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
         "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
     ));
@@ -1398,22 +1403,22 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
              CREATE FUNCTION public.work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN
                  IF payload ? 'wait_for_lock' THEN
-                     PERFORM pg_advisory_xact_lock(4246);
+                     PERFORM pg_advisory_xact_lock((payload->>'wait_for_lock')::bigint);
                  END IF;
                  PERFORM pg_sleep((payload->>'seconds')::float8);
              END $$;
              SELECT durable_jobs.register_durable_job_handler('work', 'public.work(jsonb)');
              SELECT durable_jobs.pause_durable_job_queue('default');
-             SELECT pg_advisory_lock(4246);",
+             SELECT pg_advisory_lock(4246), pg_advisory_lock(4247);",
         )
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     app_a
         .batch_execute(
-            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 1.5}', priority => 10,
+            r#"SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0.6, "wait_for_lock": 4247}', priority => 10,
                                                        run_after => now() - interval '1 minute');
-               SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "wait_for_lock": true}',
+               SELECT durable_jobs.enqueue_durable_job('work', '{"seconds": 0, "wait_for_lock": 4246}',
                                                        priority => 9, max_attempts => 1,
                                                        run_after => now() - interval '1 minute');"#,
         )
@@ -1428,16 +1433,22 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     // The jobs' run_after lies a minute back: a claim sees only jobs ready when its transaction
     // began, and one claim must take them all, whenever the worker's transaction began.
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    wait_until(Duration::from_secs(20), "the claim of the three jobs", || {
-        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'") == 3
+    wait_until(Duration::from_secs(20), "the first job waiting for the test's lock", || {
+        workers_waiting_on(&mut admin, "advisory") == 1
     });
-    // Before the first job's 1.5 s are over, so that the renewal meets the held row.
+    assert_eq!(
+        count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running'"),
+        3,
+        "one claim took the three jobs"
+    );
+    // While the first job waits, so that the renewal after it meets the held row.
     app_b.batch_execute("SET lock_timeout = '2s'").unwrap();
     let mut holding = app_b.transaction().unwrap();
     assert!(holding
         .query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held])
         .unwrap()
         .get::<_, bool>(0));
+    admin.execute("SELECT pg_advisory_unlock(4247)", &[]).unwrap();
     wait_until(Duration::from_secs(30), "app_a's two jobs to finish", || finished(&mut admin) == 2);
     holding.commit().unwrap();
     let states: Vec<(String, String, i32)> = admin
