@@ -1240,12 +1240,15 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
 
 #[test]
 fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothing() {
-    // One claim (20 s leases, a margin of 2 s) takes app_a's first job (0.7 s), its slow job
+    // One claim (20 s leases, a margin of 2 s) takes app_a's first job (0.2 s), its slow job
     // (waiting for an advisory lock until its statement timeout cuts it), its third and fourth
     // jobs, then app_b's two jobs (the second with one attempt only). While the slow job waits,
     // app_a holds the rows of the slow, third and fourth job, and app_b the row of its first
-    // (cancels left open). The slow handler starts just above the renewal threshold (half the margin), so it
-    // ends with 1 to 1.3 s left on every lease of the claim. Then, one after another: the
+    // (cancels left open). The slow handler starts below the renewal threshold (half the
+    // margin, 1 s), so it ends with about 1.8 s left on every lease of the claim, of which the
+    // waits below take at most half the margin together. (The first job took 0.7 s before,
+    // leaving 0.3 s for the worker's overhead before the threshold, past which it held the rows
+    // the test wanted to hold, and 1 to 1.3 s after the timeout.) Then, one after another: the
     // first job's success is completed, the slow job's failure waits for its held row, the
     // renewal of app_a's jobs for the third job's and the fourth's, one after the other; then
     // app_b's second lease must still be live when it is renewed.
@@ -1254,7 +1257,9 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     // a row: the first and third jobs ran again on a second attempt and app_b's job failed
     // (`lease_expired`). Broken on purpose after it: with each wait a fixed quarter of the
     // margin (500 ms) instead of at most a quarter of what the leases have left, app_b's second
-    // job ended `failed/lease_expired` in 3 runs of 3.
+    // job ended `failed/lease_expired` in 3 runs of 3 with the first job's 0.7 s; with 0.2 s this
+    // scenario has the room to survive that break, which the pg_test
+    // waits_for_held_rows_leave_every_lease_of_the_step_live now catches whatever the machine.
     let cluster = Cluster::start(&format!(
         "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 20\n"
     ));
@@ -1283,7 +1288,7 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     let slow: i64 = app_a
         .query_one(
             r#"SELECT max(durable_jobs.enqueue_durable_job('work', p, priority => 10, run_after => now() - interval '1 minute'))
-               FROM (VALUES ('{"seconds": 0.7, "what": "first"}'::jsonb),
+               FROM (VALUES ('{"seconds": 0.2, "what": "first"}'::jsonb),
                             ('{"seconds": 0, "what": "slow", "wait_for_lock": true}')) v(p)"#,
             &[],
         )
@@ -1390,7 +1395,8 @@ fn a_wait_for_a_held_row_at_renewal_costs_the_next_handler_none_of_its_lease() {
     // limit per step): the failure came after the lease's end, and the job ended
     // `failed/lease_expired` instead of `failed/target_unavailable`, in 3 runs of 3 (the
     // arithmetic of those waits is pinned, whatever the machine, by the pg_test
-    // waits_for_held_rows_leave_every_lease_of_the_step_live). The first job waits for an
+    // waits_for_held_rows_leave_every_lease_of_the_step_live; a fixed quarter-margin wait, 250 ms
+    // here, this scenario survives). The first job waits for an
     // advisory lock the test holds until app_b's hold is in place, then runs 0.6 s more, past the
     // point where the leases need renewing (it slept 1.5 s before, within which the hold had to
     // land, or the hold itself failed on its lock timeout).
