@@ -24,15 +24,15 @@ FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 -- Each registration whose jobs the background worker treats otherwise under the new rule than
 -- under 0.5.0's, as a WARNING (PostgreSQL raises client_min_messages to WARNING while it runs
 -- an extension script), one per registration and change:
--- - no longer claimed: a member of the registering role, which holds none of its rights; its
---   jobs now wait for an external worker;
--- - claimed and now failed: the handler's owner holds none of the role's rights, or the role may
---   not execute the handler; its jobs fail target_rejected (they ran under 0.5.0, or were left to
---   external workers);
+-- - left to external workers: a member of the registering role, which holds none of its rights;
+-- - claimed and now failed: the handler's owner holds none of the role's rights (the registering
+--   role's own jobs too, when a group it is a member of owns the routine), or the role may not
+--   execute the handler; its jobs fail target_rejected;
 -- - now run: jobs the worker now claims and runs, which it left to external workers, or failed.
--- Registrations whose routine no longer exists are left out (they run nothing either way), and
--- so is every database but the one the background workers work in, when that is known. Names are
--- shown with control characters replaced, so that none can forge a log line.
+-- Registrations whose routine no longer exists are left out (they run nothing either way), as
+-- are PostgreSQL's predefined roles (pg_monitor and the like, which enqueue nothing), and every
+-- database but the one the background workers work in, when that is known. Names are shown with
+-- control characters replaced, so that none can forge a log line.
 DO $report$
 DECLARE
     change record;
@@ -51,8 +51,8 @@ BEGIN
             JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(h.handler)
             JOIN pg_catalog.pg_roles o ON o.oid = p.proowner),
         rights AS (
-            -- For each registration and ordinary role but the registering one: whose code ran for
-            -- it under 0.5.0 (the roles that had the author's privileges) and does now (the roles
+            -- For each registration and role, the registering one included: whose code ran for it
+            -- under 0.5.0 (the roles that had the author's privileges) and does now (the roles
             -- whose rights the author holds, and from PostgreSQL 16 may become).
             SELECT r.*, e.rolname AS enqueuer_name,
                    pg_catalog.has_function_privilege(e.oid, r.routine, 'EXECUTE')
@@ -69,7 +69,7 @@ BEGIN
                        AND CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 160000
                                 THEN pg_catalog.pg_has_role(r.owner, e.oid, 'SET') ELSE true END) AS owner_now
             FROM registration r
-            JOIN pg_catalog.pg_roles e ON NOT e.rolsuper AND e.oid <> r.registrant),
+            JOIN pg_catalog.pg_roles e ON NOT e.rolsuper AND e.oid >= 16384),
         outcome AS (
             SELECT x.job_kind, x.registered_by, x.handler, x.enqueuer_name,
                    CASE WHEN NOT x.claimed_before THEN 'left'
@@ -100,11 +100,11 @@ BEGIN
                 'durable_jobs: the handler %s registered for job kind %s by %s %s the jobs of %s (%s of them pending)',
                 change.handler, change.job_kind, change.registered_by,
                 CASE change.now
-                    WHEN 'left' THEN 'no longer runs'
+                    WHEN 'left' THEN 'now leaves to external workers'
                     WHEN 'failed' THEN 'now fails with target_rejected'
                     ELSE 'now runs' END,
                 change.roles || CASE change.now
-                    WHEN 'left' THEN ' (the registering role holds none of their rights: their jobs wait for an external worker)'
+                    WHEN 'left' THEN ' (the registering role holds none of their rights)'
                     WHEN 'failed' THEN ' (the handler''s owner holds none of their rights, or they may not execute it)'
                     ELSE ' (the registering role and the handler''s owner hold their rights)' END,
                 change.pending),
@@ -114,8 +114,9 @@ BEGIN
                 ELSE 'A role''s code runs as another role only when it holds that role''s rights, so a group''s '
                      'handler never runs as its members. Register the handler as a role that holds the rights of '
                      'each role whose jobs it is to run (a role granted each of them: GRANT app_alice, app_bob TO '
-                     'app_admin), with a routine that role or a superuser owns; or have the members enqueue as '
-                     'the group (SET ROLE). durable_jobs.durable_job_handlers shows whom each registration serves.'
+                     'app_admin), with a routine that role or a superuser owns (ALTER FUNCTION ... OWNER TO); or '
+                     'have the members enqueue as the group (SET ROLE). durable_jobs.durable_job_handlers shows '
+                     'whom each registration serves.'
                 END;
     END LOOP;
 END

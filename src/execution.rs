@@ -62,9 +62,9 @@ pub(crate) struct LoadedJob {
     lease_expires_unix_us: i64,
     job_kind: String,
     attempt_count: i32,
-    /// Given back to the queue at the load, with its attempt: its kind's registration no longer
-    /// serves its enqueuer (the job waits for an external worker, as it would had that been so at
-    /// the claim). Not run, and counted as nothing.
+    /// Given back to the queue at the load, with its attempt: its kind is no longer registered,
+    /// or its registration no longer serves its enqueuer (the job waits for an external worker,
+    /// as it would had that been so at the claim). Not run, and counted as nothing.
     pub(crate) given_back: bool,
 }
 
@@ -78,7 +78,9 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
             plans::execute_generic(client, LOAD_JOBS, &[ids.into(), tokens.into(), worker_id.into()])
                 .map(|row| {
                     let handler: Option<String> = row.get(3).unwrap();
-                    let given_back = handler.is_some() && row.get::<bool>(9).unwrap() == Some(false);
+                    // Unregistered since the claim (which takes only registered kinds), or no
+                    // longer a registration that serves the enqueuer.
+                    let given_back = handler.is_none() || row.get::<bool>(9).unwrap() == Some(false);
                     let enqueuer: String = row.get(4).unwrap().unwrap();
                     let registrant: Option<String> = row.get(8).unwrap();
                     let job = LoadedJob {
@@ -95,11 +97,27 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
         });
         let given_back: Vec<(i64, Uuid)> =
             jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
-        if !given_back.is_empty() {
-            lease::release_unstarted(&given_back, worker_id);
-        }
+        give_back(&given_back, worker_id);
         loaded
     })
+}
+
+/// Gives `jobs`, claimed but not started, back to the queue with their attempts, in the batch's
+/// transaction (they stay running, their rows locked, until it commits). A job whose row another
+/// session holds, or a wait for the table given up, leaves that job to its lease, as any job the
+/// batch does not run; nothing else of the batch is lost with it.
+fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
+    if jobs.is_empty() {
+        return;
+    }
+    match in_subtransaction(|| {
+        lease::release_unstarted(jobs, worker_id);
+        true
+    }) {
+        Ok(_) => {}
+        Err(error) if gave_up_waiting(&error) => {}
+        Err(error) => raise_again(error),
+    }
 }
 
 /// A batch's jobs share a few handlers, enqueuers and registering roles: each is checked once.
@@ -317,6 +335,7 @@ pub fn run_jobs(
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
             let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
+                tally.count(Counter::Claimed);
                 tally.count(Counter::Stale);
                 continue;
             };
@@ -361,13 +380,21 @@ pub fn run_jobs(
             unsafe {
                 job_memory.switch_to(|_| {
                     let lease = (*job_id, *lease_token);
+                    // Counted as claimed once it runs (or is found lost): a job given back is
+                    // counted when it is claimed again.
                     match loaded.remove(job_id) {
-                        None => tally.count(Counter::Stale),
+                        None => {
+                            tally.count(Counter::Claimed);
+                            tally.count(Counter::Stale);
+                        }
                         Some(job) if job.given_back => {}
                         Some(job) => {
                             let expiry = job.lease_expires_unix_us;
                             let timing = (timeout_ms, margin_ms);
                             let outcome = run_job(lease, worker_id, job, timing, completion, &mut tally);
+                            if !matches!(outcome, Outcome::GivenBack) {
+                                tally.count(Counter::Claimed);
+                            }
                             if let Outcome::Pending = outcome {
                                 succeeded.push((lease, expiry));
                             }
@@ -485,6 +512,8 @@ enum Outcome {
     Pending,
     /// To be failed with this code and the SQLSTATE of the handler's error, if it ran.
     Failed(FailureCode, Option<String>),
+    /// Given back to the queue with its attempt, unrun: its registration no longer serves it.
+    GivenBack,
 }
 
 /// Runs one job's handler in its subtransaction. `PerJob`, completes it there; `Batched`,
@@ -506,6 +535,13 @@ fn run_job(
         // Dropped since the batch resolved it (from its claim or its load), perhaps to be
         // created again (a registration keeps the signature): a retry resolves it anew.
         return Outcome::Failed(FailureCode::TargetUnavailable, None);
+    }
+    // Its registering role no longer holds the enqueuer's rights (a membership revoked since the
+    // claim or the load): back to the queue, to wait for an external worker, as a job enqueued
+    // now would. (`call_handler` checks it again, at the call.)
+    if !registrant_serves(&handler) {
+        give_back(&[(job_id, lease_token)], worker_id);
+        return Outcome::GivenBack;
     }
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();

@@ -233,9 +233,10 @@ pub(crate) fn registrant_serves(handler: &RunnableHandler) -> bool {
 
 /// The routine a registration by `registered_by` names (`handler`, its stored text, read as
 /// `to_regprocedure` reads it), when the role named `enqueuer` may run it: the role exists and
-/// may execute it, it returns no set, and its owner and the registering role are superusers or,
-/// for an enqueuer that is not one, roles that have the enqueuer's privileges (itself or a
-/// member of it, `runs_code_of`). From the catalog caches, not a query: as a query over
+/// may execute it, it returns no set, and its owner is a superuser or, for an enqueuer that is
+/// not one, a role that has the enqueuer's privileges (itself or a member of it,
+/// `runs_code_of`); with the registering role, whose hold on the enqueuer's rights
+/// `registrant_serves` tells. From the catalog caches, not a query: as a query over
 /// pg_roles this was most of the cost of loading a batch.
 pub(crate) fn runnable_handler(handler: &str, enqueuer: &str, registered_by: &str) -> Option<RunnableHandler> {
     #[cfg(any(test, feature = "pg_test"))]
@@ -249,16 +250,10 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str, registered_by: &st
         if role == pg_sys::Oid::INVALID {
             return None;
         }
-        let registrant = if registered_by == enqueuer {
-            None
-        } else {
-            // A role that no longer exists (an invalid oid) has no one's rights.
-            let registrant = role_oid(registered_by);
-            if !runs_code_of(role, registrant) {
-                return None;
-            }
-            Some(registrant)
-        };
+        // Whether it serves the enqueuer is the caller's to ask (`registrant_serves`): a job it
+        // no longer serves goes back to the queue, where one the enqueuer may not run fails. A
+        // role that no longer exists (an invalid oid) has no one's rights.
+        let registrant = (registered_by != enqueuer).then(|| role_oid(registered_by));
         may_run_routine(routine, role).map(|is_procedure| RunnableHandler { routine, is_procedure, role, registrant })
     }
 }

@@ -287,6 +287,7 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
         // Leases lost before the runner took them count as the worker's would.
         let mut lost = Tally::default();
         for _ in batch.len()..handover.batch.len() {
+            lost.count(Counter::Claimed);
             lost.count(Counter::Stale);
         }
         lost.publish();
@@ -581,23 +582,17 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
                 let later: Vec<(i64, Uuid)> =
                     batches[position + 1..].iter().flat_map(|(_, jobs)| jobs.iter().copied()).collect();
                 let bound = bound_role(role);
-                // Counted as claimed once it runs: a job given back is claimed again later.
-                let taken = if *role == bound {
+                // Counted as claimed by the batch that runs it (`execution::run_jobs`): a job
+                // given back is counted when it is claimed again.
+                if *role == bound {
                     bind_session_to(role, Some(WORKER_TYPE));
                     // The last batch of a full claim claims the next one in its transaction.
                     let ahead = may_claim_ahead && full && later.is_empty();
                     let rows = (position == 0).then_some(&rows);
-                    let ran =
-                        run_batch(batch, &later, worker_id, lease_seconds, ahead, rows, !checked_by_claim);
-                    if ran {
-                        batch.len()
-                    } else {
-                        0
-                    }
+                    run_batch(batch, &later, worker_id, lease_seconds, ahead, rows, !checked_by_claim);
                 } else {
-                    run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds, &mut renewal)
-                };
-                (0..taken).for_each(|_| metrics::count(Counter::Claimed));
+                    run_batch_in_runner(number, role, batch, &later, worker_id, lease_seconds, &mut renewal);
+                }
             }
             true
         }
@@ -650,7 +645,7 @@ fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i
 }
 
 /// Runs a batch of a role other than the worker's own in its role runner, in parts of what one
-/// hand-over carries; returns how many of its jobs a runner took. While it waits, the worker
+/// hand-over carries (the runner counts what it runs). While it waits, the worker
 /// renews the leases of the claim's jobs still to run (a hand-over carries only so many). A part
 /// that no runner could take goes back to the queue with its attempts, with the parts after it;
 /// the log says why.
@@ -662,8 +657,7 @@ fn run_batch_in_runner(
     worker_id: &str,
     lease_seconds: i32,
     renewal: &mut runner::Renewal,
-) -> usize {
-    let mut taken = 0;
+) {
     for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
         let start = part * runner::HANDOFF_JOBS;
         let following: Vec<(i64, Uuid)> =
@@ -680,14 +674,15 @@ fn run_batch_in_runner(
             renewal.done();
         }
         match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew) {
-            Ok(()) => taken += leases.len(),
+            Ok(()) => {}
             Err(runner::NotRun::Lost) => {
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
-                taken += leases.len();
+                // Claimed, their attempts spent: counted here, as the runner's count went with it.
+                (0..leases.len()).for_each(|_| metrics::count(Counter::Claimed));
                 // Its renewals of the jobs it carried but had not run went with its transaction.
                 renew_after_rollback(&following, worker_id, lease_seconds);
                 give_back(&batch[start + leases.len()..], worker_id);
-                return taken;
+                return;
             }
             Err(reason @ (runner::NotRun::NoSlot | runner::NotRun::Refused)) => {
                 let why = if let runner::NotRun::Refused = reason {
@@ -699,11 +694,10 @@ fn run_batch_in_runner(
                 };
                 log!("{WORKER_TYPE}: {why}; {} jobs go back to the queue", batch.len() - start);
                 give_back(&batch[start..], worker_id);
-                return taken;
+                return;
             }
         }
     }
-    taken
 }
 
 /// After a transaction that renewed leases failed (the worker's or its runner's): the jobs still
@@ -765,8 +759,8 @@ fn worker_transaction<R>(
 /// claim that committed just before returned them; any run after the first reads them again.
 /// With `check_bound_role` (jobs no claim of this poll took: handed over, or claimed ahead), the
 /// transaction first checks, as a poll's claim does, that the session still serves its bound
-/// role; if not, the jobs go back to the queue with their attempts, the worker is to restart
-/// (`BOUND_ROLE_MOVED`), and this returns false.
+/// role; if not, the jobs go back to the queue with their attempts, and the worker is to restart
+/// (`BOUND_ROLE_MOVED`).
 fn run_batch(
     jobs: &[(i64, Uuid)],
     later: &[(i64, Uuid)],
@@ -775,7 +769,7 @@ fn run_batch(
     ahead: bool,
     claimed_rows: Option<&ClaimedRows>,
     check_bound_role: bool,
-) -> bool {
+) {
     let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool, rows, check: bool| {
         in_transaction(|| {
             BackgroundWorker::transaction(|| {
@@ -810,7 +804,7 @@ fn run_batch(
     let mut outcome = match run(jobs, later, first, ahead, claimed_rows, check_bound_role) {
         Ok(None) => {
             give_back(jobs, worker_id);
-            return false;
+            return;
         }
         outcome => outcome.map(|ran| ran.expect("ran")),
     };
@@ -826,14 +820,14 @@ fn run_batch(
     let sqlstate = match outcome {
         Ok(tally) => {
             tally.publish();
-            return true;
+            return;
         }
         Err(sqlstate) => sqlstate,
     };
     renew_from(0);
     if let [job] = jobs {
         fail_in_own_transaction(*job, &sqlstate, worker_id);
-        return true;
+        return;
     }
     log!(
         "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
@@ -851,7 +845,6 @@ fn run_batch(
             }
         }
     }
-    true
 }
 
 /// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.
@@ -859,6 +852,8 @@ fn fail_in_own_transaction(job: (i64, Uuid), sqlstate: &str, worker_id: &str) {
     let recorded = in_transaction_or_logged("recording a failure", || {
         BackgroundWorker::transaction(|| {
             let mut tally = Tally::default();
+            // Its run's count went with its transaction: counted here, as claimed once.
+            tally.count(Counter::Claimed);
             let code = FailureCode::from_sqlstate(sqlstate);
             with_worker_settings(|| {
                 execution::record_failure(job, worker_id, code, Some(sqlstate), &mut tally)

@@ -203,3 +203,79 @@ fn an_administrator_granted_the_producers_role_serves_its_jobs() {
         (false, Some(vec!["app_admin".to_string(), "app_producer".to_string()]))
     );
 }
+
+/// A registering role that loses the enqueuer's rights while a batch runs (its membership
+/// revoked between the claim and a job's turn): the later jobs of the batch go back to the queue
+/// with their attempts, unrun, as jobs it no longer serves, and count as claimed only once they
+/// run. Failed before: they failed `target_rejected` (the check at the call), and every job of
+/// the claim counted as claimed, given back or not.
+#[test]
+fn a_membership_revoked_while_a_batch_runs_gives_its_later_jobs_back() {
+    let cluster = Cluster::start(&format!("{WORKER_WOKEN_BY_ENQUEUES}durable_jobs.claim_batch_size = 5\n"));
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute(
+            "CREATE ROLE rv_producer LOGIN;  CREATE ROLE rv_admin LOGIN;
+             GRANT rv_producer TO rv_admin;
+             GRANT USAGE ON SCHEMA durable_jobs TO rv_producer, rv_admin;
+             GRANT EXECUTE ON FUNCTION
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer)
+               TO rv_producer;
+             GRANT EXECUTE ON FUNCTION durable_jobs.register_durable_job_handler(text, regprocedure) TO rv_admin;
+             CREATE TABLE public.rv_done (n integer);
+             GRANT INSERT ON public.rv_done TO rv_producer;
+             CREATE FUNCTION public.rv_work(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF (payload->>'n')::integer = 1 THEN
+                     PERFORM pg_advisory_xact_lock(4848);
+                 END IF;
+                 INSERT INTO public.rv_done VALUES ((payload->>'n')::integer);
+             END $$;
+             SELECT pg_advisory_lock(4848);",
+        )
+        .unwrap();
+    cluster
+        .connect_as("rv_admin")
+        .batch_execute("SELECT durable_jobs.register_durable_job_handler('rv', 'public.rv_work(jsonb)')")
+        .unwrap();
+    let mut producer = cluster.connect_as("rv_producer");
+    let ids: Vec<i64> = producer
+        .query(
+            "SELECT job_id FROM durable_jobs.enqueue_durable_jobs('rv',
+                 ARRAY['{\"n\": 1}', '{\"n\": 2}', '{\"n\": 3}']::jsonb[]) AS job_id ORDER BY job_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    wait_until(Duration::from_secs(30), "the first job waiting for the test's lock", || {
+        workers_waiting_on(&mut admin, "advisory") == 1
+    });
+    let running = "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1";
+    assert_eq!(harness::count(&mut admin, running), 3, "one claim took the three jobs");
+    // Committed before the lock goes (one simple query would be one transaction).
+    admin.batch_execute("REVOKE rv_producer FROM rv_admin").unwrap();
+    admin.batch_execute("SELECT pg_advisory_unlock(4848)").unwrap();
+    wait_until_finished(&mut admin, ids[0]);
+    wait_for_the_workers_sleep(&mut admin);
+    assert_eq!(job_outcome(&mut admin, &format!("job_id = {}", ids[0])), ("succeeded".into(), None, 1));
+    for job_id in &ids[1..] {
+        assert_eq!(job_outcome(&mut admin, &format!("job_id = {job_id}")), ("available".into(), None, 0), "job {job_id}");
+    }
+    assert_eq!(harness::metric(&mut admin, "claimed"), 1, "only the job that ran counts as claimed");
+    // Granted again, the registration serves them: the next enqueue's commit wakes the worker,
+    // whose claim takes them once they are due again (a job given back is, a second later).
+    admin.batch_execute("GRANT rv_producer TO rv_admin").unwrap();
+    wait_until(Duration::from_secs(30), "the given-back jobs due again", || {
+        harness::count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE run_after > clock_timestamp()") == 0
+    });
+    producer
+        .execute("SELECT durable_jobs.enqueue_durable_jobs('rv', ARRAY['{\"n\": 4}']::jsonb[])", &[])
+        .unwrap();
+    wait_until(Duration::from_secs(30), "every job", || {
+        harness::count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 4
+    });
+    assert_eq!(harness::metric(&mut admin, "claimed"), 4);
+    assert_eq!(harness::count(&mut admin, "SELECT count(*) FROM public.rv_done"), 4);
+}

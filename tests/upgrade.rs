@@ -379,6 +379,7 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
                  ('teams_routine', 'public.up_teams(jsonb)', current_user),
                  ('by_admin', 'public.up_superusers(jsonb)', 'up_admin'),
                  ('admin_owner_bad', 'public.up_monitors(jsonb)', 'up_admin'),
+                 ('alices_own', 'public.up_teams(jsonb)', 'up_alice'),
                  ('by_superuser', 'public.up_superusers(jsonb)', current_user);
              SET ROLE up_alice;
              SELECT durable_jobs.enqueue_durable_job('by_team', '{}') FROM generate_series(1, 2);
@@ -408,12 +409,18 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
             "durable_jobs: the handler public.up_monitors(jsonb) registered for job kind 'admin_owner_bad' by up_admin \
              now fails with target_rejected the jobs of up_producer (the handler's owner holds none of their \
              rights, or they may not execute it) (0 of them pending)",
+            "durable_jobs: the handler public.up_teams(jsonb) registered for job kind 'alices_own' by up_alice \
+             now fails with target_rejected the jobs of up_alice (the handler's owner holds none of their rights, \
+             or they may not execute it) (0 of them pending)",
+            "durable_jobs: the handler public.up_teams(jsonb) registered for job kind 'alices_own' by up_alice \
+             now runs the jobs of up_team (the registering role and the handler's owner hold their rights) \
+             (0 of them pending)",
             "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_admin' by up_admin \
              now runs the jobs of up_producer (the registering role and the handler's owner hold their rights) \
              (0 of them pending)",
             "durable_jobs: the handler public.up_superusers(jsonb) registered for job kind 'by_team' by up_team \
-             no longer runs the jobs of up_alice, up_bob (the registering role holds none of their rights: their \
-             jobs wait for an external worker) (2 of them pending)",
+             now leaves to external workers the jobs of up_alice, up_bob (the registering role holds none of \
+             their rights) (2 of them pending)",
             "durable_jobs: the handler public.up_teams(jsonb) registered for job kind 'teams_routine' by postgres \
              now fails with target_rejected the jobs of up_alice, up_bob (the handler's owner holds none of their \
              rights, or they may not execute it) (0 of them pending)",
@@ -430,6 +437,7 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
         serves,
         [
             ("admin_owner_bad".to_string(), false, roles(&["up_admin", "up_producer"])),
+            ("alices_own".to_string(), false, roles(&["up_alice", "up_team"])),
             ("by_admin".to_string(), false, roles(&["up_admin", "up_producer"])),
             ("by_superuser".to_string(), true, None),
             ("by_team".to_string(), false, roles(&["up_team"])),
