@@ -236,6 +236,19 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
     assert_eq!(listed, Ok(Some(vec!["dj_sv_grandchild".into(), "dj_sv_group".into(), "dj_sv_member".into()])));
 }
 
+/// Calls `handler` as the worker would at a job's turn, with an empty payload, in a
+/// subtransaction: "ran", or the SQLSTATE of the error that stopped it.
+fn call_handler_in_subtransaction(handler: crate::handlers::RunnableHandler) -> String {
+    let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
+    match crate::execution::in_subtransaction(|| {
+        crate::execution::call_handler(handler, payload);
+        true
+    }) {
+        Ok(_) => "ran".to_string(),
+        Err(error) => error.sqlstate(),
+    }
+}
+
 /// A registration changed between a job's claim and the load of its batch (a role runner's
 /// batch, a batch after the first of a claim, a job handed over at enqueue, a rerun) is judged
 /// again at the load: unregistered and registered again by a role that holds none of the
@@ -288,16 +301,7 @@ fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
     let handler = load(again).handler.expect("runnable");
     let purge = one::<pg_sys::Oid>("SELECT 'public.dj_rc_purge(jsonb)'::regprocedure::oid");
     assert_eq!(handler.routine, purge, "the same routine registered by a role holding the enqueuer's rights");
-    let call = || {
-        let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
-        match crate::execution::in_subtransaction(|| {
-            crate::execution::call_handler(handler, payload);
-            true
-        }) {
-            Ok(_) => "ran".to_string(),
-            Err(error) => error.sqlstate(),
-        }
-    };
+    let call = || call_handler_in_subtransaction(handler);
     assert_eq!(call(), "ran");
     Spi::run("REVOKE dj_rc_enqueuer FROM dj_rc_admin").unwrap();
     assert_eq!(call(), "42501", "the registering role no longer holds the enqueuer's rights");
@@ -316,16 +320,7 @@ fn the_worker_checks_a_handler_again_when_it_calls_it() {
     .unwrap();
     let handler =
         crate::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
-    let call = || {
-        let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
-        match crate::execution::in_subtransaction(|| {
-            crate::execution::call_handler(handler, payload);
-            true
-        }) {
-            Ok(_) => "ran".to_string(),
-            Err(error) => error.sqlstate(),
-        }
-    };
+    let call = || call_handler_in_subtransaction(handler);
     assert_eq!(call(), "ran");
     Spi::run("ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_other").unwrap();
     assert_eq!(call(), "42501", "the owner changed after the load: dj_ch_enqueuer may not run dj_ch_other's code");

@@ -10,7 +10,9 @@
 //! in the session is cleared before the next job runs.
 
 use crate::failure::FailureCode;
-use crate::handlers::{may_run_routine, registrant_serves, routine_still_exists, runnable_handler, RunnableHandler};
+use crate::handlers::{
+    may_run_routine, registrant_serves, registration_serves, routine_still_exists, runnable_handler, RunnableHandler,
+};
 use crate::lease;
 use crate::metrics::{Counter, Tally};
 use crate::plans;
@@ -69,7 +71,8 @@ pub(crate) struct LoadedJob {
 }
 
 /// Loads a batch of claimed jobs with one query; a job missing from the result lost its lease.
-/// A job whose kind's registration no longer serves its enqueuer is given back here.
+/// A job whose kind is no longer registered, or whose registration no longer serves its
+/// enqueuer, is given back here.
 pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, LoadedJob> {
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     as_extension_owner(|| {
@@ -178,7 +181,7 @@ pub(crate) struct ClaimedRows {
 /// claimed from, at this library's version (the job table locked, as the load's statement
 /// locks it, so that DDL waits for the batch), and the rows hold every job of the batch under
 /// its lease.
-fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows) -> Option<HashMap<i64, LoadedJob>> {
+fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows, worker_id: &str) -> Option<HashMap<i64, LoadedJob>> {
     let installed = installed_at_library_version().filter(|row| row.extension == claimed.extension)?;
     let rows: Vec<(i64, &ClaimedRow)> = jobs
         .iter()
@@ -188,18 +191,34 @@ fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows) -> Option<Hash
         .collect::<Option<_>>()?;
     as_owner(installed.owner, || {
         let mut runnable = RunnableHandlers::default();
-        let loaded = rows.into_iter().map(|(job_id, row)| {
-            let job = LoadedJob {
-                payload: JsonbDatum::from_bytes(&row.payload),
-                handler: runnable.of(row.handler.clone(), row.enqueued_by.clone(), row.registered_by.clone()),
-                lease_expires_unix_us: row.lease_expires_unix_us,
-                job_kind: row.job_kind.clone(),
-                attempt_count: row.attempt_count,
-                given_back: false,
-            };
-            (job_id, job)
-        });
-        Some(loaded.collect())
+        let loaded: HashMap<i64, LoadedJob> = rows
+            .into_iter()
+            .map(|(job_id, row)| {
+                // The claim judged the registration a moment ago; the registering role's
+                // memberships may have changed since, as at a load.
+                let given_back = !row
+                    .registered_by
+                    .as_deref()
+                    .is_some_and(|registrant| registration_serves(registrant, &row.enqueued_by));
+                let job = LoadedJob {
+                    payload: JsonbDatum::from_bytes(&row.payload),
+                    handler: if given_back {
+                        None
+                    } else {
+                        runnable.of(row.handler.clone(), row.enqueued_by.clone(), row.registered_by.clone())
+                    },
+                    lease_expires_unix_us: row.lease_expires_unix_us,
+                    job_kind: row.job_kind.clone(),
+                    attempt_count: row.attempt_count,
+                    given_back,
+                };
+                (job_id, job)
+            })
+            .collect();
+        let given_back: Vec<(i64, Uuid)> =
+            jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
+        give_back(&given_back, worker_id);
+        Some(loaded)
     })
 }
 
@@ -329,11 +348,17 @@ pub fn run_jobs(
         let margin_ms = lease_margin_ms(lease_seconds);
         let timeout_ms = i64::from(lease_seconds) * 1000 - margin_ms;
         let mut loaded = claimed_rows
-            .and_then(|rows| loaded_from_claim(jobs, rows))
+            .and_then(|rows| loaded_from_claim(jobs, rows, worker_id))
             .unwrap_or_else(|| load_jobs(jobs, worker_id));
         // Batched: the jobs whose handlers succeeded, not completed yet, with their lease expiry.
         let mut succeeded: Vec<((i64, Uuid), i64)> = Vec::new();
         for (position, (job_id, lease_token)) in jobs.iter().enumerate() {
+            // Given back at the load: not run, not counted, and its lease (ours no more) no part
+            // of the batch's renewals.
+            if loaded.get(job_id).is_some_and(|job| job.given_back) {
+                loaded.remove(job_id);
+                continue;
+            }
             let Some(expiry) = loaded.get(job_id).map(|job| job.lease_expires_unix_us) else {
                 tally.count(Counter::Claimed);
                 tally.count(Counter::Stale);
@@ -346,11 +371,8 @@ pub fn run_jobs(
                     complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
                     completion = Completion::PerJob;
                 }
-                let remaining: Vec<(i64, Uuid)> = jobs[position..]
-                    .iter()
-                    .filter(|(id, _)| loaded.get(id).is_some_and(|job| !job.given_back))
-                    .copied()
-                    .collect();
+                let remaining: Vec<(i64, Uuid)> =
+                    jobs[position..].iter().filter(|(id, _)| loaded.contains_key(id)).copied().collect();
                 // The claim's leases were taken, and are renewed, together: `expiry` is the
                 // soonest of them, `later`'s included.
                 let waits = RowWaits::new(expiry, margin_ms);
@@ -387,7 +409,6 @@ pub fn run_jobs(
                             tally.count(Counter::Claimed);
                             tally.count(Counter::Stale);
                         }
-                        Some(job) if job.given_back => {}
                         Some(job) => {
                             let expiry = job.lease_expires_unix_us;
                             let timing = (timeout_ms, margin_ms);
@@ -527,21 +548,23 @@ fn run_job(
     tally: &mut Tally,
 ) -> Outcome {
     let Some(handler) = job.handler else {
-        // No handler, an enqueuer that no longer exists, or a handler it may not run (its
-        // owner or its registering role holds none of the enqueuer's rights).
+        // An enqueuer that no longer exists, or a handler it may not run (no EXECUTE, or an
+        // owner that holds none of its rights).
         return Outcome::Failed(FailureCode::TargetRejected, None);
     };
-    if !routine_still_exists(handler.routine) {
-        // Dropped since the batch resolved it (from its claim or its load), perhaps to be
-        // created again (a registration keeps the signature): a retry resolves it anew.
-        return Outcome::Failed(FailureCode::TargetUnavailable, None);
-    }
+    // First, as it takes in other sessions' changes to the catalog caches (memberships too).
+    let routine_exists = routine_still_exists(handler.routine);
     // Its registering role no longer holds the enqueuer's rights (a membership revoked since the
     // claim or the load): back to the queue, to wait for an external worker, as a job enqueued
     // now would. (`call_handler` checks it again, at the call.)
     if !registrant_serves(&handler) {
         give_back(&[(job_id, lease_token)], worker_id);
         return Outcome::GivenBack;
+    }
+    if !routine_exists {
+        // Dropped since the batch resolved it (from its claim or its load), perhaps to be
+        // created again (a registration keeps the signature): a retry resolves it anew.
+        return Outcome::Failed(FailureCode::TargetUnavailable, None);
     }
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();

@@ -159,6 +159,11 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
 #[pg_extern(stable, parallel_safe, strict)]
 #[search_path(pg_catalog, pg_temp)]
 fn durable_job_handler_serves(registered_by: &str, enqueued_by: &str) -> bool {
+    registration_serves(registered_by, enqueued_by)
+}
+
+/// `durable_job_handler_serves`, for the worker's own checks.
+pub(crate) fn registration_serves(registered_by: &str, enqueued_by: &str) -> bool {
     if registered_by == enqueued_by {
         return true;
     }
@@ -226,7 +231,8 @@ pub(crate) struct RunnableHandler {
 }
 
 /// Whether the role that registered `handler` still holds the rights of the role it runs as: a
-/// membership revoked (or the enqueuer made a superuser) while a batch runs stops its later jobs.
+/// membership revoked (or the enqueuer made a superuser) while a batch runs sends its later jobs
+/// back to the queue (and stops a call, should it come after all).
 pub(crate) fn registrant_serves(handler: &RunnableHandler) -> bool {
     handler.registrant.is_none_or(|registrant| runs_code_of(handler.role, registrant))
 }

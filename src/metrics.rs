@@ -29,7 +29,7 @@ impl Counter {
     fn help(self) -> &'static str {
         match self {
             Counter::IdlePolls => "Background worker polls that found no job.",
-            Counter::Claimed => "Jobs the background workers claimed (external workers' claims excluded).",
+            Counter::Claimed => "Jobs the background workers claimed and ran or found lost (external workers' claims excluded; a job given back unrun counts when it runs).",
             Counter::Succeeded => {
                 "Handler runs of the background workers that committed with their job's success \
                                    (external workers excluded)."

@@ -676,9 +676,8 @@ fn run_batch_in_runner(
         match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew) {
             Ok(()) => {}
             Err(runner::NotRun::Lost) => {
+                // What the runner committed it counted; the rest counts when it runs again.
                 log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
-                // Claimed, their attempts spent: counted here, as the runner's count went with it.
-                (0..leases.len()).for_each(|_| metrics::count(Counter::Claimed));
                 // Its renewals of the jobs it carried but had not run went with its transaction.
                 renew_after_rollback(&following, worker_id, lease_seconds);
                 give_back(&batch[start + leases.len()..], worker_id);
