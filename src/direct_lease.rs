@@ -621,7 +621,8 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
         set_at_this_level(c"search_path", c"pg_catalog, pg_temp");
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
         as_extension_owner_found(&installed, |installed| {
-            let statement = if installed.has_status_api { MAKE_AVAILABLE } else { MAKE_AVAILABLE_ON_OLD_SCHEMA };
+            let statement =
+                if installed.has_status_api { MAKE_AVAILABLE } else { MAKE_AVAILABLE_ON_OLD_SCHEMA };
             Spi::connect_mut(|client| {
                 plans::execute(client, statement, &[job_id.into(), lease_token.into()]);
             })

@@ -11,7 +11,8 @@
 
 use crate::failure::FailureCode;
 use crate::handlers::{
-    may_run_routine, registrant_serves, registration_serves, routine_still_exists, runnable_handler, RunnableHandler,
+    may_run_routine, registrant_serves, registration_serves, routine_still_exists, runnable_handler,
+    RunnableHandler,
 };
 use crate::lease;
 use crate::metrics::{Counter, Tally};
@@ -98,11 +99,16 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
                 })
                 .collect()
         });
-        let given_back: Vec<(i64, Uuid)> =
-            jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
-        give_back(&given_back, worker_id);
+        give_back_marked(jobs, &loaded, worker_id);
         loaded
     })
+}
+
+/// Gives the jobs of `jobs` that the load marked `given_back` back to the queue (`give_back`).
+fn give_back_marked(jobs: &[(i64, Uuid)], loaded: &HashMap<i64, LoadedJob>, worker_id: &str) {
+    let marked: Vec<(i64, Uuid)> =
+        jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
+    give_back(&marked, worker_id);
 }
 
 /// Gives `jobs`, claimed but not started, back to the queue with their attempts, in the batch's
@@ -128,12 +134,16 @@ fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
 struct RunnableHandlers(HashMap<(String, String, String), Option<RunnableHandler>>);
 
 impl RunnableHandlers {
-    fn of(&mut self, registered: Option<String>, enqueuer: String, registrant: Option<String>) -> Option<RunnableHandler> {
+    fn of(
+        &mut self,
+        registered: Option<String>,
+        enqueuer: String,
+        registrant: Option<String>,
+    ) -> Option<RunnableHandler> {
         let (registered, registrant) = (registered?, registrant?);
-        *self
-            .0
-            .entry((registered, enqueuer, registrant))
-            .or_insert_with_key(|(registered, enqueuer, registrant)| runnable_handler(registered, enqueuer, registrant))
+        *self.0.entry((registered, enqueuer, registrant)).or_insert_with_key(
+            |(registered, enqueuer, registrant)| runnable_handler(registered, enqueuer, registrant),
+        )
     }
 }
 
@@ -181,7 +191,11 @@ pub(crate) struct ClaimedRows {
 /// claimed from, at this library's version (the job table locked, as the load's statement
 /// locks it, so that DDL waits for the batch), and the rows hold every job of the batch under
 /// its lease.
-fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows, worker_id: &str) -> Option<HashMap<i64, LoadedJob>> {
+fn loaded_from_claim(
+    jobs: &[(i64, Uuid)],
+    claimed: &ClaimedRows,
+    worker_id: &str,
+) -> Option<HashMap<i64, LoadedJob>> {
     let installed = installed_at_library_version().filter(|row| row.extension == claimed.extension)?;
     let rows: Vec<(i64, &ClaimedRow)> = jobs
         .iter()
@@ -215,9 +229,7 @@ fn loaded_from_claim(jobs: &[(i64, Uuid)], claimed: &ClaimedRows, worker_id: &st
                 (job_id, job)
             })
             .collect();
-        let given_back: Vec<(i64, Uuid)> =
-            jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
-        give_back(&given_back, worker_id);
+        give_back_marked(jobs, &loaded, worker_id);
         Some(loaded)
     })
 }

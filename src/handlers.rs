@@ -244,7 +244,11 @@ pub(crate) fn registrant_serves(handler: &RunnableHandler) -> bool {
 /// `runs_code_of`); with the registering role, whose hold on the enqueuer's rights
 /// `registrant_serves` tells. From the catalog caches, not a query: as a query over
 /// pg_roles this was most of the cost of loading a batch.
-pub(crate) fn runnable_handler(handler: &str, enqueuer: &str, registered_by: &str) -> Option<RunnableHandler> {
+pub(crate) fn runnable_handler(
+    handler: &str,
+    enqueuer: &str,
+    registered_by: &str,
+) -> Option<RunnableHandler> {
     #[cfg(any(test, feature = "pg_test"))]
     HANDLER_CHECKS.with(|checks| checks.set(checks.get() + 1));
     unsafe {
@@ -260,7 +264,12 @@ pub(crate) fn runnable_handler(handler: &str, enqueuer: &str, registered_by: &st
         // no longer serves goes back to the queue, where one the enqueuer may not run fails. A
         // role that no longer exists (an invalid oid) has no one's rights.
         let registrant = (registered_by != enqueuer).then(|| role_oid(registered_by));
-        may_run_routine(routine, role).map(|is_procedure| RunnableHandler { routine, is_procedure, role, registrant })
+        may_run_routine(routine, role).map(|is_procedure| RunnableHandler {
+            routine,
+            is_procedure,
+            role,
+            registrant,
+        })
     }
 }
 
