@@ -244,10 +244,11 @@ fn a_transient_failure_is_retried_with_backoff() {
     let (_, token) = claim("w").unwrap();
     assert_eq!(fail(job_id, "w", token, "target_unavailable"), "retried");
     assert_eq!(job_state(job_id), "available");
-    // First retry: base delay 1 s with jitter in [0.5, 1).
+    // First retry: base delay 1 s with jitter in [0.5, 1), from the failure's own clock
+    // (run_after and updated_at come from one UPDATE; a later statement's clock left 0.1 s of
+    // slack before).
     assert_eq!(
-        job_field::<bool>(job_id, "run_after BETWEEN clock_timestamp() + interval '0.4 seconds'
-                                                AND clock_timestamp() + interval '1 second'
+        job_field::<bool>(job_id, "run_after - updated_at BETWEEN interval '0.499 seconds' AND interval '1 second'
                                    AND payload = '{\"keep\": \"me\"}' AND lease_token IS NULL
                                    AND finished_at IS NULL AND last_failure_code = 'target_unavailable'"),
         Some(true)
@@ -269,11 +270,10 @@ fn backoff_doubles_per_attempt_up_to_the_maximum() {
             .unwrap();
         let (_, token) = claim("w").unwrap();
         assert_eq!(fail(job_id, "w", token, "unexpected_failure"), "retried");
-        delays.push(
-            job_field::<f64>(job_id, "extract(epoch FROM run_after - clock_timestamp())::float8").unwrap(),
-        );
+        delays.push(job_field::<f64>(job_id, "extract(epoch FROM run_after - updated_at)::float8").unwrap());
     }
-    // 10 s, 20 s, then capped at 25 s, each times a jitter factor in [0.5, 1).
+    // 10 s, 20 s, then capped at 25 s, each times a jitter factor in [0.5, 1), from the failure's
+    // own clock (run_after and updated_at come from one UPDATE).
     assert!((4.9..10.0).contains(&delays[0]), "{delays:?}");
     assert!((9.9..20.0).contains(&delays[1]), "{delays:?}");
     assert!((12.4..25.0).contains(&delays[2]), "{delays:?}");

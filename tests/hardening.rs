@@ -442,8 +442,10 @@ fn a_held_queue_lock_stalls_no_claim() {
     wait_until(Duration::from_secs(20), "the open queue's job to run", || {
         count(&mut client, "SELECT count(*) FROM public.effects WHERE queue = 'open'") == 1
     });
-    // An external claim of the limited queue answers at once, with nothing.
-    client.batch_execute("SET statement_timeout = '2s'").unwrap();
+    // An external claim of the limited queue answers with nothing instead of waiting for the
+    // lock, which is never released while it runs: any timeout tells a claim that blocks, and a
+    // long one no loaded machine reaches (it was 2 s).
+    client.batch_execute("SET statement_timeout = '30s'").unwrap();
     let claimed = count(
         &mut client,
         "SELECT count(*) FROM durable_jobs.claim_next_durable_job('ext', ARRAY['limited'])",
