@@ -363,10 +363,15 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
 /// WAL buffers was lost with them, and the job came back available. Twice: a claim whose WAL
 /// fits the page its predecessors left, written, not flushed (the worker flushed less than 10 s
 /// before, for a first job); then one after a checkpoint, whose full-page images leave whole
-/// pages unflushed before its commit record's.
+/// pages unflushed before its commit record's. Direct leases off: a job leased at its enqueue
+/// (durable here) needs no claim, and the test then proved nothing of one; autovacuum off, and
+/// the claim's WAL checked to be unflushed at the crash, so that no other flush can hide a lost
+/// claim.
 #[test]
 fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
-    let cluster = Cluster::start(&format!("{WORKER_CONF}wal_writer_delay = '10s'\n"));
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}wal_writer_delay = '10s'\ndurable_jobs.direct_leases = off\nautovacuum = off\n"
+    ));
     let mut client = cluster.connect();
     client
         .batch_execute(
@@ -400,9 +405,13 @@ fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
             client.execute("CHECKPOINT", &[]).unwrap();
         }
         let sleeping_worker = sleeping_handlers_worker(&mut client);
-        // A clock reading writes no WAL (a reload, say, would have woken the WAL writer).
+        // A clock reading writes no WAL (a reload, say, would have woken the WAL writer), nor does
+        // a look at the WAL's positions: the claim's commit is written, not yet flushed.
         let before_crash: std::time::SystemTime =
             client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+        let unflushed: bool =
+            client.query_one("SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()", &[]).unwrap().get(0);
+        assert!(unflushed, "the claim's WAL was flushed before the crash: the test would prove nothing");
         let (job_client, job) = crash_and_read(&cluster, sleeping_worker, |client| {
             client
                 .query_one(
