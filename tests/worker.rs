@@ -366,7 +366,8 @@ fn a_worker_killed_mid_handler_reruns_the_job_with_one_effect() {
 /// pages unflushed before its commit record's. Direct leases off: a job leased at its enqueue
 /// (durable here) needs no claim, and the test then proved nothing of one; autovacuum off, and
 /// the claim's WAL checked to be unflushed at the crash, so that no other flush can hide a lost
-/// claim.
+/// claim. Broken on purpose: without the claim's write_wal_up_to, the first round failed (the
+/// claim was lost and the restarted worker claimed the job again).
 #[test]
 fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
     let cluster = Cluster::start(&format!(
