@@ -80,10 +80,9 @@ macro_rules! insert_leased_job {
                                          WHERE q.queue_name = $1
                                            AND (q.paused OR q.concurrency_limit IS NOT NULL))
                          AND EXISTS (SELECT 1 FROM durable_jobs.durable_job_handler h
-                                     WHERE h.job_kind = $2
-                                       AND (h.registered_by = $8::pg_catalog.name
-                                            OR durable_jobs.durable_job_handler_serves(
-                                                   h.registered_by::pg_catalog.text, $8::pg_catalog.text)))
+                                     WHERE h.job_kind = $2 AND ",
+            crate::registration_serves!("h.registered_by", "$8::pg_catalog.name"),
+            ")
                   AS claimable) AS lease",
             $on_conflict,
             "

@@ -36,7 +36,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// role since the claim, or the registering role no longer holds the enqueuer's rights). Whether
 /// the enqueuer may run the handler is decided in the library (`handlers::runnable_handler`),
 /// once per handler, enqueuer and registering role of the batch.
-pub(crate) const LOAD_JOBS: &str = "
+pub(crate) const LOAD_JOBS: &str = concat!(
+    "
     SELECT j.job_id,
            j.payload,
            h.handler,
@@ -45,14 +46,16 @@ pub(crate) const LOAD_JOBS: &str = "
            j.job_kind,
            j.attempt_count,
            h.registered_by::pg_catalog.text,
-           h.registered_by = j.enqueued_by
-           OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text, j.enqueued_by::pg_catalog.text)
+           ",
+    crate::registration_serves!("h.registered_by", "j.enqueued_by"),
+    "
     FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
     -- The token is the state check (see lease_fence in lease.rs).
-    WHERE j.job_id = ANY ($1) AND j.lease_owner = $3";
+    WHERE j.job_id = ANY ($1) AND j.lease_owner = $3"
+);
 
 /// The search_path handlers run with, whatever the session's: `pg_temp` last, so that no
 /// temporary object can capture a handler's unqualified names.
@@ -104,18 +107,18 @@ pub(crate) fn load_jobs(jobs: &[(i64, Uuid)], worker_id: &str) -> HashMap<i64, L
     })
 }
 
-/// Gives the jobs of `jobs` that the load marked `given_back` back to the queue (`give_back`).
+/// Gives the jobs of `jobs` that the load marked `given_back` back to the queue (`release_in_batch`).
 fn give_back_marked(jobs: &[(i64, Uuid)], loaded: &HashMap<i64, LoadedJob>, worker_id: &str) {
     let marked: Vec<(i64, Uuid)> =
         jobs.iter().filter(|(id, _)| loaded.get(id).is_some_and(|job| job.given_back)).copied().collect();
-    give_back(&marked, worker_id);
+    release_in_batch(&marked, worker_id);
 }
 
 /// Gives `jobs`, claimed but not started, back to the queue with their attempts, in the batch's
 /// transaction (they stay running, their rows locked, until it commits). A job whose row another
 /// session holds, or a wait for the table given up, leaves that job to its lease, as any job the
 /// batch does not run; nothing else of the batch is lost with it.
-fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
+fn release_in_batch(jobs: &[(i64, Uuid)], worker_id: &str) {
     if jobs.is_empty() {
         return;
     }
@@ -570,7 +573,7 @@ fn run_job(
     // claim or the load): back to the queue, to wait for an external worker, as a job enqueued
     // now would. (`call_handler` checks it again, at the call.)
     if !registrant_serves(&handler) {
-        give_back(&[(job_id, lease_token)], worker_id);
+        release_in_batch(&[(job_id, lease_token)], worker_id);
         return Outcome::GivenBack;
     }
     if !routine_exists {

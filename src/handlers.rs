@@ -151,6 +151,27 @@ fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
     })
 }
 
+/// SQL: whether the registration made by the role named `$registered_by` serves the jobs of the
+/// role named `$enqueued_by` (both name expressions), as `durable_job_handler_serves` says, with
+/// no function call for a role's own jobs. The worker's claim, the enqueue's direct lease and a
+/// batch's load all ask it.
+#[macro_export]
+macro_rules! registration_serves {
+    ($registered_by:literal, $enqueued_by:literal) => {
+        concat!(
+            "(",
+            $registered_by,
+            " = ",
+            $enqueued_by,
+            " OR durable_jobs.durable_job_handler_serves(",
+            $registered_by,
+            "::pg_catalog.text, ",
+            $enqueued_by,
+            "::pg_catalog.text))"
+        )
+    };
+}
+
 /// Whether a registration made by `registered_by` serves the jobs that `enqueued_by` enqueues
 /// (`runs_code_of`): its own role's, those of the roles whose privileges it has that are not
 /// superusers, and every role's when the registrant is a superuser. Asked by the background

@@ -175,13 +175,13 @@ pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "
 pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
     "WITH",
     claim_ctes!(
-        "AND $4 AND EXISTS (
+        concat!(
+            "AND $4 AND EXISTS (
          SELECT 1 FROM durable_jobs.durable_job_handler h
-         WHERE h.job_kind = durable_job.job_kind
-           -- A registration serves its own role's jobs without a function call per job.
-           AND (h.registered_by = durable_job.enqueued_by
-                OR durable_jobs.durable_job_handler_serves(h.registered_by::pg_catalog.text,
-                                                           durable_job.enqueued_by::pg_catalog.text)))",
+         WHERE h.job_kind = durable_job.job_kind AND ",
+            crate::registration_serves!("h.registered_by", "durable_job.enqueued_by"),
+            ")"
+        ),
         new_state_version!(),
         // The kind's handler and who registered it, so that a batch run right after this claim
         // commits need not read its jobs again (`execution::ClaimedRow`).

@@ -281,6 +281,14 @@ pub fn workers_waiting_on(client: &mut Client, wait_event: &str) -> i64 {
     client.query_one(query, &[&wait_event]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
 }
 
+/// Waits until the one background worker sleeps (a latch wait, wait event `Extension`): an
+/// enqueue then may lease it its job.
+pub fn wait_for_the_workers_sleep(client: &mut Client) {
+    wait_until(std::time::Duration::from_secs(30), "the worker's sleep", || {
+        workers_waiting_on(client, "Extension") == 1
+    });
+}
+
 /// (job_state, last_failure_code, attempt_count) of the one job `selector`, an SQL condition,
 /// picks out.
 pub fn job_outcome(client: &mut Client, selector: &str) -> (String, Option<String>, i32) {

@@ -4,7 +4,7 @@
 //! privileges). A group's code never runs as its members, so one member cannot reach another's
 //! rights through their group; an administrator granted a producer's role serves its jobs.
 
-use harness::{error_text, job_outcome, wait_until, workers_waiting_on, Cluster};
+use harness::{error_text, job_outcome, wait_for_the_workers_sleep, wait_until, workers_waiting_on, Cluster};
 use postgres::Client;
 use std::time::Duration;
 
@@ -17,11 +17,6 @@ const WORKER_WOKEN_BY_ENQUEUES: &str = "shared_preload_libraries = 'durable_jobs
 /// The state of job `job_id` as `client`'s own transaction sees it (get_durable_job).
 fn state_in(client: &mut impl postgres::GenericClient, job_id: i64) -> String {
     client.query_one("SELECT job_state FROM durable_jobs.get_durable_job($1)", &[&job_id]).unwrap().get(0)
-}
-
-/// Waits until the worker sleeps: an enqueue then leases its job to it if the rule lets it.
-fn wait_for_the_workers_sleep(admin: &mut Client) {
-    wait_until(Duration::from_secs(30), "the worker's sleep", || workers_waiting_on(admin, "Extension") == 1);
 }
 
 /// Waits until job `job_id` has ended (succeeded, failed or cancelled).

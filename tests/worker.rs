@@ -2,7 +2,10 @@
 //! switching it on, draining, failure classification and retries, crash recovery, and running
 //! handlers with the enqueuing role's rights.
 
-use harness::{count, job_outcome, metric, sqlstate, wait_until, workers_waiting_on, Cluster, WORKER_CONF};
+use harness::{
+    count, job_outcome, metric, sqlstate, wait_for_the_workers_sleep, wait_until, workers_waiting_on, Cluster,
+    WORKER_CONF,
+};
 use postgres::Client;
 use std::time::Duration;
 
@@ -1096,12 +1099,6 @@ fn cluster_with_a_sleeping_worker(extra_conf: &str) -> (Cluster, Client) {
     client.batch_execute(EFFECTS).unwrap();
     wait_for_the_workers_sleep(&mut client);
     (cluster, client)
-}
-
-fn wait_for_the_workers_sleep(client: &mut Client) {
-    wait_until(Duration::from_secs(30), "the worker's sleep", || {
-        workers_waiting_on(client, "Extension") == 1
-    });
 }
 
 /// `cluster_with_a_sleeping_worker` with `workers` workers, all asleep.
