@@ -488,10 +488,13 @@ fn a_query_cancel_ends_a_wait_at_once_and_snapshots_that_cannot_see_change_are_r
             waiting.query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 60)", &[&job_id]);
         let _ = sender.send(outcome.err().map(|e| sqlstate(&e)));
     });
-    // The pid as seen waiting (a second look could fall between two of its reads).
+    // The pid as seen asleep in the wait (a second look could fall between two of its reads).
+    // Only asleep: seen merely active, it could still be between the client's protocol messages
+    // (the statement parsed, not yet executed), where PostgreSQL drops a cancel, and the wait then
+    // ran on (seen once on a loaded machine).
     let mut pid = 0;
     wait_until(Duration::from_secs(10), "the session waiting", || match waiting_sessions(&mut client)[..] {
-        [(waiting_pid, _, _)] => {
+        [(waiting_pid, Some(ref kind), _)] if kind == "Extension" => {
             pid = waiting_pid;
             true
         }
