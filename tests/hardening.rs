@@ -459,29 +459,44 @@ fn a_held_queue_lock_stalls_no_claim() {
 
 #[test]
 fn a_batch_running_past_its_committed_leases_still_fills_its_queues_limit() {
-    // One worker batch: a job of an open queue (a nap of 2 s), then two of a queue limited to
-    // 2 (naps too), all leased for 3 s. After the first nap the worker renews the other two in
-    // the batch's transaction, and runs them past the leases the claim committed. Their rows
-    // are held by that transaction, so they still fill the limit: an external claim of the
-    // limited queue's third job takes nothing until the batch commits. Failed before
-    // (helper-47's review): lapsed leases no longer counted, and the external claim ran a third
-    // job of the queue beside the batch's two.
+    // One worker batch: a job of an open queue, then two of a queue limited to 2, all leased for
+    // 10 s; each waits at a gate of its own. The first gate opens half way through the leases,
+    // so that at the next job's turn the worker renews the other two in the batch's
+    // transaction; the second, once the leases the claim committed have lapsed. The limited
+    // jobs' rows are held by the batch's transaction, so they still fill the limit: an external
+    // claim of the limited queue's third job takes nothing until the batch commits. Failed
+    // before: lapsed leases no longer counted, and the external claim ran a third job of the
+    // queue beside the batch's two; broken on purpose (the limit counting only live leases), it
+    // fails the same way. (Before, the jobs napped 2 s on leases of 3 s: the claim had the
+    // second between the leases' lapse and the batch's commit. Each side of it now has 5 s,
+    // and the batch is seen still running after the claim.)
     let cluster = Cluster::start(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 3\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
     ));
     let mut client = cluster.connect();
+    let mut first_gate = harness::Gate::closed(&cluster, 7104);
+    let mut second_gate = harness::Gate::closed(&cluster, 7105);
     client
         .batch_execute(
-            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(2) $$;
-             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');
+            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_advisory_xact_lock_shared((payload->>'gate')::bigint) $$;
+             SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');
              SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);
              BEGIN;
-             SELECT durable_jobs.enqueue_durable_job('nap', '{}', NULL, 'open', priority => 10);
-             SELECT durable_jobs.enqueue_durable_job('nap', '{}', NULL, 'limited') FROM generate_series(1, 2);
+             SELECT durable_jobs.enqueue_durable_job('gated', '{\"gate\": 7104}', NULL, 'open', priority => 10);
+             SELECT durable_jobs.enqueue_durable_job('gated', '{\"gate\": 7105}', NULL, 'limited')
+               FROM generate_series(1, 2);
              SELECT durable_jobs.enqueue_durable_job('elsewhere', '{}', NULL, 'limited');
              COMMIT;",
         )
         .unwrap();
+    let at_gate = |client: &mut Client, key| harness::waiting_at_gate(client, "durable_jobs worker", key);
+    wait_until(Duration::from_secs(20), "the first job at its gate", || at_gate(&mut client, 7104) == 1);
+    let half_lapsed = "SELECT count(*) FROM durable_jobs.durable_job
+                       WHERE queue_name = 'limited' AND lease_expires_at < clock_timestamp() + interval '5 s'";
+    wait_until(Duration::from_secs(20), "half of the limited jobs' leases", || count(&mut client, half_lapsed) == 2);
+    first_gate.open();
+    wait_until(Duration::from_secs(20), "the first limited job at its gate", || at_gate(&mut client, 7105) == 1);
     let lapsed = "SELECT count(*) FROM durable_jobs.durable_job
                   WHERE queue_name = 'limited' AND job_state = 'running' AND lease_expires_at < clock_timestamp()";
     wait_until(Duration::from_secs(20), "the limited jobs' committed leases to lapse", || {
@@ -490,7 +505,9 @@ fn a_batch_running_past_its_committed_leases_still_fills_its_queues_limit() {
     let external_claim = "SELECT count(*) FROM durable_jobs.claim_next_durable_job('ext', ARRAY['limited'])";
     assert_eq!(count(&mut client, external_claim), 0, "{}", cluster.server_log());
     // The batch was still running: the claim met its rows.
+    assert_eq!(at_gate(&mut client, 7105), 1, "the batch still runs");
     assert_eq!(count(&mut client, lapsed), 2, "{}", cluster.server_log());
+    second_gate.open();
     wait_until(Duration::from_secs(20), "the batch to commit", || {
         count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 3
     });
@@ -1585,21 +1602,23 @@ fn without_a_slot_for_a_role_runner_a_batch_goes_back_with_its_attempts() {
 }
 
 /// A cluster (`extra_conf`, claim_batch_size 10) whose worker is bound to app_a, and one claim
-/// of app_a's job, which naps 2 s in the worker, then `app_b_jobs` jobs of app_b: returns the
-/// cluster, two superuser connections and app_b's job ids while the worker naps (the claim
-/// committed, app_b's batch not handed over yet).
-fn app_bs_jobs_behind_a_nap_of_the_worker(
+/// of app_a's job, which waits at a gate in the worker, then `app_b_jobs` jobs of app_b: returns
+/// the cluster, two superuser connections, app_b's job ids and the gate, while the worker waits
+/// at it (the claim committed, app_b's batch not handed over yet).
+fn app_bs_jobs_behind_a_gate_in_the_worker(
     extra_conf: &str,
     app_b_jobs: usize,
-) -> (Cluster, Client, Client, Vec<i64>) {
+) -> (Cluster, Client, Client, Vec<i64>, harness::Gate) {
     let (cluster, mut admin) =
         cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n{extra_conf}"));
     admin.batch_execute(NOTE_HANDLER).unwrap();
+    let gate = harness::Gate::closed(&cluster, 7102);
     admin
-        .batch_execute(
-            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT pg_sleep(2) $$;
-             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
-        )
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql AS $$ {} $$;
+             SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');",
+            harness::Gate::pass(7102)
+        ))
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
@@ -1607,29 +1626,33 @@ fn app_bs_jobs_behind_a_nap_of_the_worker(
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    enqueue(&mut app_a, "nap");
+    enqueue(&mut app_a, "gated");
     let ids = (0..app_b_jobs).map(|_| enqueue(&mut app_b, "note")).collect();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    let worker_naps = "SELECT count(*) FROM pg_stat_activity
-                       WHERE backend_type = 'durable_jobs worker' AND wait_event = 'PgSleep'";
-    wait_until(Duration::from_secs(20), "the worker's nap", || count(&mut admin, worker_naps) == 1);
-    (cluster, admin, other, ids)
+    wait_until(Duration::from_secs(20), "the worker at the gate", || {
+        harness::waiting_at_gate(&mut admin, "durable_jobs worker", 7102) == 1
+    });
+    (cluster, admin, other, ids, gate)
 }
 
 #[test]
 fn a_batch_given_back_leaves_only_a_row_another_session_holds_to_its_lease() {
-    // Room for the worker only: one claim takes app_a's job (a nap, run by the worker) and two of
-    // app_b's, which find no role runner and go back to the queue. While app_a's job naps, a
-    // session holds the first of app_b's rows. The give-back skips that row and gives the other
-    // job back at once. Failed before: the give-back waited for the held row, gave up on the
-    // lock timeout and tried again for a third of a lease, giving back neither.
-    let (cluster, mut admin, mut holder, app_b_jobs) = app_bs_jobs_behind_a_nap_of_the_worker(
+    // Room for the worker only: one claim takes app_a's job (run by the worker, which waits at a
+    // gate) and two of app_b's, which find no role runner and go back to the queue. While app_a's
+    // job waits, a session holds the first of app_b's rows; then the gate opens. The give-back
+    // skips that row and gives the other job back at once. Failed before: the give-back waited
+    // for the held row, gave up on the lock timeout and tried again for a third of a lease,
+    // giving back neither; broken on purpose (the give-back waiting for held rows), it fails the
+    // same way. (app_a's job napped 2 s before, the time the test had to hold the row; now the
+    // gate waits for it.)
+    let (cluster, mut admin, mut holder, app_b_jobs, mut gate) = app_bs_jobs_behind_a_gate_in_the_worker(
         "max_worker_processes = 1\nmax_logical_replication_workers = 0\n",
         2,
     );
     let [held, given_back] = app_b_jobs[..] else { unreachable!() };
     let mut holding = holder.transaction().unwrap();
     holding.execute("SELECT 1 FROM durable_jobs.durable_job WHERE job_id = $1 FOR SHARE", &[&held]).unwrap();
+    gate.open();
     wait_until(Duration::from_secs(10), "app_b's other job to go back to the queue", || {
         job_outcome(&mut admin, &format!("job_id = {given_back}")) == ("available".to_owned(), None, 0)
     });
@@ -1715,7 +1738,8 @@ fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_a
     admin
         .batch_execute(
             "CREATE TABLE public.seen (what text);
-             GRANT INSERT ON public.seen TO PUBLIC;
+             CREATE TABLE public.ran_in (kind text, pid int);
+             GRANT INSERT ON public.seen, public.ran_in TO PUBLIC;
              SELECT durable_jobs.pause_durable_job_queue('default');",
         )
         .unwrap();
@@ -1724,7 +1748,8 @@ fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_a
         .batch_execute(
             "CREATE SEQUENCE public.payroll_secret_seq;
              CREATE FUNCTION public.count_payroll(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT nextval('public.payroll_secret_seq') $$;
+                 AS $$ SELECT nextval('public.payroll_secret_seq');
+                       INSERT INTO public.ran_in VALUES ('payroll', pg_backend_pid()) $$;
              CREATE PROCEDURE public.commits(payload jsonb) LANGUAGE plpgsql AS $$ BEGIN COMMIT; END $$;
              SELECT durable_jobs.register_durable_job_handler('payroll', 'public.count_payroll(jsonb)');
              SELECT durable_jobs.register_durable_job_handler('commits', 'public.commits(jsonb)');
@@ -1734,15 +1759,19 @@ fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_a
         .unwrap();
     // The same role's next job, in the same session (another role's would run in a role
     // runner's process, where lastval() was never set whatever the worker cleared: so this part
-    // of the test was until 0.6.0). Without ResetSequenceCaches after each job it saw a value.
+    // of the test was until 0.6.0; the premise is checked below). Without ResetSequenceCaches
+    // after each job it saw a value.
     app_a
         .batch_execute(
             "CREATE FUNCTION public.peek_lastval(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN
-                 PERFORM lastval();
-                 INSERT INTO public.seen VALUES ('a value');
-             EXCEPTION WHEN OTHERS THEN
-                 INSERT INTO public.seen VALUES (SQLSTATE || ' ' || SQLERRM);
+                 INSERT INTO public.ran_in VALUES ('peek', pg_backend_pid());
+                 BEGIN
+                     PERFORM lastval();
+                     INSERT INTO public.seen VALUES ('a value');
+                 EXCEPTION WHEN OTHERS THEN
+                     INSERT INTO public.seen VALUES (SQLSTATE || ' ' || SQLERRM);
+                 END;
              END $$;
              SELECT durable_jobs.register_durable_job_handler('peek', 'public.peek_lastval(jsonb)');
              SELECT durable_jobs.enqueue_durable_job('peek', '{}');",
@@ -1750,6 +1779,11 @@ fn the_next_job_learns_nothing_from_the_last_ones_sequence_and_doomed_handlers_a
         .unwrap();
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
     wait_until(Duration::from_secs(30), "the three jobs to finish", || finished(&mut admin) == 3);
+    assert_eq!(
+        count(&mut admin, "SELECT count(DISTINCT pid) FROM public.ran_in WHERE kind IN ('payroll', 'peek')"),
+        1,
+        "the sequence's job and the peek ran in one session"
+    );
     let seen: String = admin.query_one("SELECT what FROM public.seen", &[]).unwrap().get(0);
     assert!(seen.starts_with("55000 "), "{seen}");
     assert!(!seen.contains("payroll"), "{seen}");
@@ -1808,44 +1842,53 @@ fn a_job_whose_subtransaction_cannot_be_released_takes_neither_the_worker_nor_it
 
 #[test]
 fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
-    // One claim holds app_b's slow job, which a role runner runs while the worker waits, and
-    // app_a's job after it, which the worker (bound to app_a) runs itself once the runner is
-    // done. Query cancels sent to the worker meanwhile mean nothing to it; before, one that came
-    // during the wait aborted the poll, and app_a's job waited for its lease to lapse (60 s).
+    // One claim holds app_b's job, which a role runner runs (it waits at a gate) while the
+    // worker waits, and app_a's job after it, which the worker (bound to app_a) runs itself once
+    // the runner is done. Query cancels sent to the worker in that wait mean nothing to it;
+    // before, one that came during the wait aborted the poll, and app_a's job waited for its
+    // lease to lapse (60 s); broken on purpose (the wait for the runner not past cancels), it
+    // fails the same way. (The runner's job napped 4 s before, and the cancels were sent blind;
+    // now the gate stays closed until each cancel found the worker in its wait.)
     let (cluster, mut admin) =
         cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
     admin.batch_execute(NOTE_HANDLER).unwrap();
+    let mut gate = harness::Gate::closed(&cluster, 7103);
     admin
-        .batch_execute(
-            "CREATE FUNCTION public.slow_note(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_sleep(4); INSERT INTO public.effects VALUES (current_user) $$;
-             SELECT durable_jobs.register_durable_job_handler('slow_note', 'public.slow_note(jsonb)');",
-        )
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.gated_note(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ {}; INSERT INTO public.effects VALUES (current_user) $$;
+             SELECT durable_jobs.register_durable_job_handler('gated_note', 'public.gated_note(jsonb)');",
+            harness::Gate::pass(7103)
+        ))
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    enqueue(&mut app_b, "slow_note");
+    enqueue(&mut app_b, "gated_note");
     let last = enqueue(&mut app_a, "note");
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    wait_until(Duration::from_secs(20), "the role runner to start the slow job", || {
-        count(
-            &mut admin,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE backend_type = 'durable_jobs role runner' AND wait_event = 'PgSleep'",
-        ) == 1
+    wait_until(Duration::from_secs(20), "the role runner at the gate", || {
+        harness::waiting_at_gate(&mut admin, "durable_jobs role runner", 7103) == 1
     });
     let worker = cluster.worker_pids(&mut admin)[0];
-    for _ in 0..5 {
+    // Each cancel is sent while the worker waits for its runner (a latch wait: `Extension`),
+    // and the next only once it waits again.
+    for _ in 0..3 {
+        wait_until(Duration::from_secs(20), "the worker waiting for its runner", || {
+            workers_waiting_on(&mut admin, "Extension") == 1
+        });
         admin.execute("SELECT pg_cancel_backend($1)", &[&worker]).unwrap();
-        std::thread::sleep(Duration::from_millis(200));
     }
+    wait_until(Duration::from_secs(20), "the worker waiting for its runner", || {
+        workers_waiting_on(&mut admin, "Extension") == 1
+    });
+    gate.open();
     wait_until(Duration::from_secs(20), "app_a's last job to run", || finished(&mut admin) == 3);
     let (state, code, attempts) = job_outcome(&mut admin, &format!("job_id = {last}"));
     assert_eq!((state.as_str(), code, attempts), ("succeeded", None, 1));
-    assert_eq!(outcome_by(&mut admin, "slow_note", "app_b"), ("succeeded".to_owned(), None));
+    assert_eq!(outcome_by(&mut admin, "gated_note", "app_b"), ("succeeded".to_owned(), None));
     assert_eq!(cluster.worker_pids(&mut admin), vec![worker], "the worker was restarted");
     assert!(!cluster.server_log().contains("57014"), "a cancel reached the worker's poll");
 }
@@ -1897,21 +1940,28 @@ fn leases_a_hand_over_cannot_carry_are_renewed_as_soon_as_it_starts() {
 
 #[test]
 fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
-    // One claim: two jobs of app_b, which a role runner runs (1 s and 1.5 s), then app_a's job
-    // (one attempt), which the worker runs itself afterwards; leases of 2 s. The runner renews
-    // app_a's lease in its transaction; it is ended once the lease the claim committed has
-    // lapsed, and its renewal goes with it. The worker renews what the runner carried
-    // and had not run (no one took it), and app_a's job runs on its first attempt. Failed before:
-    // it was left to its lapsed lease and ended as lease_expired.
+    // One claim: two jobs of app_b, which a role runner runs (each waits at a gate of its own),
+    // then app_a's job (one attempt), which the worker runs itself afterwards; leases of 10 s.
+    // The first gate opens half way through the leases, so that at the second job's turn the
+    // runner renews app_a's lease in its transaction; once the lease the claim committed has
+    // lapsed, the runner is ended at the second gate, and its renewal goes with it. The worker
+    // renews what the runner carried and had not run (no one took it), and app_a's job runs on
+    // its first attempt. Failed before: it was left to its lapsed lease and ended as
+    // lease_expired; broken on purpose (no renewal after a lost runner), it fails the same way.
+    // (Before, the jobs napped 1 s and 1.5 s on leases of 2 s: the kill had to land in the half
+    // second between the lease's lapse and the runner's end. Now it has 4 s, and the runner is
+    // seen at its gate when it is ended.)
     let (cluster, mut admin) = cluster_with_app_roles(&format!(
-        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 2\n"
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 10\n"
     ));
     admin.batch_execute(NOTE_HANDLER).unwrap();
+    let mut first_gate = harness::Gate::closed(&cluster, 7101);
+    let mut second_gate = harness::Gate::closed(&cluster, 7106);
     admin
         .batch_execute(
-            "CREATE FUNCTION public.nap(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_sleep((payload->>'nap')::float8) $$;
-             SELECT durable_jobs.register_durable_job_handler('nap', 'public.nap(jsonb)');",
+            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT pg_advisory_xact_lock_shared((payload->>'gate')::bigint) $$;
+             SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');",
         )
         .unwrap();
     let mut app_a = cluster.connect_as("app_a");
@@ -1919,12 +1969,9 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
     enqueue(&mut app_a, "note");
     wait_until(Duration::from_secs(20), "app_a's job to bind the worker", || finished(&mut admin) == 1);
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
-    for nap in ["1.0", "1.5"] {
+    for gate in [7101_i64, 7106] {
         app_b
-            .execute(
-                "SELECT durable_jobs.enqueue_durable_job('nap', jsonb_build_object('nap', $1::text::float8))",
-                &[&nap],
-            )
+            .execute("SELECT durable_jobs.enqueue_durable_job('gated', jsonb_build_object('gate', $1::bigint))", &[&gate])
             .unwrap();
     }
     let last: i64 = app_a
@@ -1932,20 +1979,28 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
         .unwrap()
         .get(0);
     admin.execute("SELECT durable_jobs.resume_durable_job_queue('default')", &[]).unwrap();
-    let runner_naps = "SELECT count(*) FROM pg_stat_activity
-                       WHERE backend_type = 'durable_jobs role runner' AND wait_event = 'PgSleep'";
-    wait_until(Duration::from_secs(20), "the runner's first nap", || count(&mut admin, runner_naps) == 1);
+    let at_gate = |admin: &mut Client, key| harness::waiting_at_gate(admin, "durable_jobs role runner", key);
+    wait_until(Duration::from_secs(20), "the runner at the first gate", || at_gate(&mut admin, 7101) == 1);
+    let half_lapsed = format!(
+        "SELECT count(*) FROM durable_jobs.durable_job
+         WHERE job_id = {last} AND lease_expires_at < clock_timestamp() + interval '5 s'"
+    );
+    wait_until(Duration::from_secs(20), "half of app_a's lease", || count(&mut admin, &half_lapsed) == 1);
+    first_gate.open();
+    wait_until(Duration::from_secs(20), "the runner at the second gate", || at_gate(&mut admin, 7106) == 1);
     // The lease the claim committed (the runner's renewal is not committed).
     let lapsed = format!(
         "SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {last} AND lease_expires_at < clock_timestamp()"
     );
     wait_until(Duration::from_secs(20), "app_a's lease to lapse", || count(&mut admin, &lapsed) == 1);
-    admin
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'durable_jobs role runner'",
-            &[],
-        )
-        .unwrap();
+    let ended = count(
+        &mut admin,
+        "SELECT count(pg_terminate_backend(a.pid)) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+         WHERE a.backend_type = 'durable_jobs role runner' AND l.locktype = 'advisory' AND NOT l.granted
+           AND l.objid = 7106",
+    );
+    assert_eq!(ended, 1, "the runner was ended at the second gate, in the middle of its batch");
+    second_gate.open();
     wait_until(Duration::from_secs(30), "app_a's job to end", || {
         !matches!(job_outcome(&mut admin, &format!("job_id = {last}")).0.as_str(), "running" | "available")
     });
@@ -1960,29 +2015,47 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
 
 #[test]
 fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
-    // One claim: app_a's job, which the worker runs itself (a nap), then app_b's, which a role
-    // runner runs. A session locks the job table once app_a's batch commits, and holds it for 3 s
-    // after the runner's take-over has given up on its lock timeout (1 s), so that the worker's
-    // first tries to give the job back give up too. The worker gives app_b's job back once the
-    // lock is gone (no handler of it started), and it runs on its first attempt. Failed before:
-    // the worker counted the hand-over as run, and the job stayed running until its lease of
-    // 60 s lapsed; and then while the give-back gave up on the same lock.
-    let (cluster, mut admin, mut locker, app_b_jobs) = app_bs_jobs_behind_a_nap_of_the_worker("", 1);
+    // One claim: app_a's job, which the worker runs itself (it waits at a gate), then app_b's,
+    // which a role runner runs. A session asks for the job table while the gate is closed, is
+    // granted it when app_a's batch commits, before the hand-over, and holds it until the
+    // runner's take-over has given up on its lock timeout (1 s) and the worker's first try to
+    // give the job back has given up too. The worker gives app_b's job back once the lock is
+    // gone (no handler of it started), and it runs on its first attempt. Failed before: the
+    // worker counted the hand-over as run, and the job stayed running until its lease of 60 s
+    // lapsed; and then while the give-back gave up on the same lock (broken on purpose, no second
+    // try at the give-back, the wait for it fails). (Before, app_a's job
+    // napped 2 s, the lock was asked for during the nap, and held 3 s past the take-over's
+    // failure; a stall of either could miss the window. Now each step waits for the last.)
+    let (cluster, mut admin, mut locker, app_b_jobs, mut gate) = app_bs_jobs_behind_a_gate_in_the_worker("", 1);
     let handed = app_b_jobs[0];
-    let mut holding = locker.transaction().unwrap();
-    // Granted when app_a's batch commits, before the hand-over.
-    holding.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE").unwrap();
+    let locker_pid: i32 = locker.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holding = std::thread::spawn(move || {
+        let mut holding = locker.transaction().unwrap();
+        holding.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE").unwrap();
+        released.recv().unwrap();
+        holding.commit().unwrap();
+    });
+    wait_until(Duration::from_secs(20), "the lock asked for behind app_a's batch", || {
+        count(
+            &mut admin,
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {locker_pid} AND wait_event_type = 'Lock'"),
+        ) == 1
+    });
+    gate.open();
     wait_until(Duration::from_secs(20), "the runner's take-over to give up", || {
         cluster.server_log().contains("taking over a batch failed with SQLSTATE 55P03")
     });
-    std::thread::sleep(Duration::from_secs(3));
-    holding.commit().unwrap();
+    wait_until(Duration::from_secs(20), "the worker's first give-back to give up", || {
+        cluster.server_log().contains("giving jobs back waited for a lock past the lock timeout; trying again")
+    });
+    release.send(()).unwrap();
+    holding.join().unwrap();
     wait_until(Duration::from_secs(20), "app_b's job to end", || {
         !matches!(job_outcome(&mut admin, &format!("job_id = {handed}")).0.as_str(), "running" | "available")
     });
     let log = cluster.server_log();
     assert!(log.contains("a role runner could not take a batch over"), "{log}");
-    assert!(log.contains("giving jobs back waited for a lock past the lock timeout; trying again"), "{log}");
     assert_eq!(
         job_outcome(&mut admin, &format!("job_id = {handed}")),
         ("succeeded".to_owned(), None, 1),

@@ -396,3 +396,38 @@ pub fn metric(client: &mut Client, name: &str) -> i64 {
         .expect("metric")
         .get(0)
 }
+
+/// A gate that handlers wait at, opened by the test: a session of its own holds advisory lock
+/// `key`, and a handler that runs `Gate::pass(key)` (a shared lock on the same key) waits there
+/// (wait event `advisory`) until `open`. A handler's time at the gate is the test's to decide,
+/// not a nap's length that a loaded machine may outlast or cut short.
+pub struct Gate {
+    holder: Client,
+    key: i64,
+}
+
+impl Gate {
+    pub fn closed(cluster: &Cluster, key: i64) -> Gate {
+        let mut holder = cluster.connect();
+        holder.execute("SELECT pg_advisory_lock($1)", &[&key]).unwrap();
+        Gate { holder, key }
+    }
+
+    /// The SQL statement that waits at gate `key` (for a handler's body).
+    pub fn pass(key: i64) -> String {
+        format!("SELECT pg_advisory_xact_lock_shared({key})")
+    }
+
+    pub fn open(&mut self) {
+        let opened: bool = self.holder.query_one("SELECT pg_advisory_unlock($1)", &[&self.key]).unwrap().get(0);
+        assert!(opened, "the gate was closed");
+    }
+}
+
+/// How many sessions of `backend_type` (pg_stat_activity) wait at gate `key`.
+pub fn waiting_at_gate(client: &mut Client, backend_type: &str, key: i64) -> i64 {
+    let query = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                 WHERE a.backend_type = $1 AND l.locktype = 'advisory' AND NOT l.granted
+                   AND l.classid = 0 AND l.objid = $2::bigint::oid AND l.objsubid = 1";
+    client.query_one(query, &[&backend_type, &key]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
+}
