@@ -1615,7 +1615,7 @@ fn app_bs_jobs_behind_a_gate_in_the_worker(
     let gate = harness::Gate::closed(&cluster, 7102);
     admin
         .batch_execute(&format!(
-            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql AS $$ {} $$;
+            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT {} $$;
              SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');",
             harness::Gate::pass(7102)
         ))
@@ -1856,7 +1856,7 @@ fn a_query_cancel_while_a_role_runner_runs_strands_no_job_of_the_claim() {
     admin
         .batch_execute(&format!(
             "CREATE FUNCTION public.gated_note(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ {}; INSERT INTO public.effects VALUES (current_user) $$;
+                 AS $$ SELECT {}; INSERT INTO public.effects VALUES (current_user) $$;
              SELECT durable_jobs.register_durable_job_handler('gated_note', 'public.gated_note(jsonb)');",
             harness::Gate::pass(7103)
         ))

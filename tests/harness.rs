@@ -413,9 +413,9 @@ impl Gate {
         Gate { holder, key }
     }
 
-    /// The SQL statement that waits at gate `key` (for a handler's body).
+    /// The SQL call that waits at gate `key` (for a handler's body: `SELECT` or `PERFORM` it).
     pub fn pass(key: i64) -> String {
-        format!("SELECT pg_advisory_xact_lock_shared({key})")
+        format!("pg_advisory_xact_lock_shared({key})")
     }
 
     pub fn open(&mut self) {

@@ -174,19 +174,23 @@ fn a_switched_off_worker_is_not_woken_by_enqueues() {
 /// A reload that switches the worker on while the worker waits for a lock (its pruning, here
 /// behind a LOCK TABLE) still reaches it at once: the lock wait uses up the latch the reload set,
 /// and a switched-off worker has no enqueue to wake it. Failed before the fix: the job waited for
-/// the 60 s poll interval.
+/// the 60 s poll interval. (The switch-on's reload is sent as soon as the worker is seen waiting
+/// for the lock, a wait of up to a second, its lock timeout; one that came after the wait would
+/// wake the sleeping worker anyway, so a stall there makes a run that proves nothing, never a
+/// failure of a correct build. The first reload was sent after a fixed 1.1 s sleep before, and
+/// one lock wait missed failed the test: now a reload is sent until the wait is seen. Broken on
+/// purpose, the sleep not checking for a pending reload, the job waited and the test failed.)
 #[test]
 fn a_reload_that_lands_during_a_lock_wait_switches_the_worker_on_at_once() {
     let (cluster, mut client) = switched_off_worker_with_a_long_poll();
     let mut holder = cluster.connect();
     holder.batch_execute("BEGIN; LOCK TABLE durable_jobs.durable_job").unwrap();
     // Pruning is due a second after the worker started; a reload wakes it into that pruning,
-    // which waits for the table.
-    std::thread::sleep(Duration::from_millis(1100));
+    // which waits for the table (and, given up, is due again a second later).
     let worker_waits_for_lock = "SELECT count(*) FROM pg_stat_activity
                                  WHERE backend_type = 'durable_jobs worker' AND wait_event_type = 'Lock'";
-    client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    wait_until(Duration::from_secs(10), "the worker to wait for the lock", || {
+    wait_until(Duration::from_secs(20), "the worker to wait for the lock", || {
+        client.batch_execute("SELECT pg_reload_conf()").unwrap();
         count(&mut client, worker_waits_for_lock) == 1
     });
     client.batch_execute("ALTER SYSTEM SET durable_jobs.worker_enabled = on").unwrap();
@@ -659,8 +663,11 @@ fn with_log_handler_errors_on_the_worker_logs_each_handler_error_without_the_pay
             "CREATE FUNCTION public.refuse(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN RAISE EXCEPTION 'ledger refused the transfer' USING ERRCODE = '22012'; END $$;
              SELECT durable_jobs.register_durable_job_handler('refuse', 'public.refuse(jsonb)');
-             CREATE FUNCTION public.noop(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
-             SELECT durable_jobs.register_durable_job_handler('noop', 'public.noop(jsonb)');",
+             CREATE TABLE public.settings_seen (seen serial, setting text);
+             CREATE FUNCTION public.probe(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO public.settings_seen (setting)
+                       VALUES (current_setting('durable_jobs.log_handler_errors')) $$;
+             SELECT durable_jobs.register_durable_job_handler('probe', 'public.probe(jsonb)');",
         )
         .unwrap();
     let failed_job = |client: &mut Client, secret: &str| -> i64 {
@@ -681,15 +688,21 @@ fn with_log_handler_errors_on_the_worker_logs_each_handler_error_without_the_pay
 
     client.batch_execute("ALTER SYSTEM SET durable_jobs.log_handler_errors = off").unwrap();
     client.batch_execute("SELECT pg_reload_conf()").unwrap();
-    wait_until(Duration::from_secs(10), "the server to read the reload", || {
-        cluster.server_log().contains("parameter \"durable_jobs.log_handler_errors\" changed to \"off\"")
-    });
-    // The worker reloads at the start of a poll: once it has run a job claimed after the
-    // reload was signalled, every later poll has the new value.
-    let noop: i64 =
-        client.query_one("SELECT durable_jobs.enqueue_durable_job('noop', '{}')", &[]).unwrap().get(0);
-    wait_until(Duration::from_secs(30), "the no-op job to run", || {
-        count(&mut client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {noop} AND job_state = 'succeeded'")) == 1
+    // A job run in the worker's session reads the setting there: once one saw it off, every
+    // later job of that session does. (Before, the test waited for the postmaster's log of the
+    // change and one job after it, which the worker could run before its own reload. Broken on
+    // purpose, logging whatever the setting, the check below fails.)
+    wait_until(Duration::from_secs(30), "the worker's session to have the setting off", || {
+        let probe: i64 =
+            client.query_one("SELECT durable_jobs.enqueue_durable_job('probe', '{}')", &[]).unwrap().get(0);
+        wait_until(Duration::from_secs(30), "the probe to run", || {
+            count(&mut client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {probe} AND job_state = 'succeeded'")) == 1
+        });
+        let seen: String = client
+            .query_one("SELECT setting FROM public.settings_seen ORDER BY seen DESC LIMIT 1", &[])
+            .unwrap()
+            .get(0);
+        seen == "off"
     });
     let quiet = failed_job(&mut client, "payload-secret-two");
     let log = cluster.server_log();
@@ -719,8 +732,12 @@ fn a_worker_started_before_create_extension_waits_quietly() {
 
 #[test]
 fn sigterm_stops_a_worker_promptly_even_inside_a_long_handler() {
-    // The handler's statement timeout (~18 s) would end it long after pg_ctl's 8 s limit.
-    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 20\n"));
+    // The handler's statement timeout (a 600 s lease less a margin) would end it long after
+    // pg_ctl's 60 s limit: a shutdown that waited for the handler fails that limit, whatever the
+    // machine's speed. (An 18 s timeout against 8 s for pg_ctl before, a margin a loaded machine
+    // could eat.) Broken on purpose (the worker's SIGTERM handler only setting its flag), the
+    // worker outlived pg_terminate_backend, and the test failed there.
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 600\n"));
     let mut client = cluster.connect();
     client
         .batch_execute(
@@ -739,10 +756,12 @@ fn sigterm_stops_a_worker_promptly_even_inside_a_long_handler() {
         let pids = cluster.worker_pids(&mut client);
         pids.len() == 1 && pids[0] != old_pid
     });
-    // A fast shutdown must not wait for the sleeping handler.
-    wait_until(Duration::from_secs(60), "the reclaimed job's handler", || napping(&mut client) == 1);
+    // A fast shutdown must not wait for the sleeping handler (of a new job: the first one's lease
+    // has ten minutes to run).
+    client.execute("SELECT durable_jobs.enqueue_durable_job('nap', '{}')", &[]).unwrap();
+    wait_until(Duration::from_secs(60), "the new worker's handler", || napping(&mut client) == 1);
     drop(client);
-    cluster.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "8"]);
+    cluster.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "60"]);
     assert!(cluster.server_log().contains("durable_jobs worker 1 started"));
 }
 
@@ -793,27 +812,30 @@ fn the_worker_logs_one_line_when_it_starts_and_stops_at_once_at_shutdown() {
     assert!(!log.contains("ERROR"), "{log}");
 }
 
-/// A job whose handler has written 1 to public.effects and now sleeps for 2 s: the client and
-/// the job's id.
-fn a_slow_write_running(cluster: &Cluster) -> (Client, i64) {
+/// A job whose handler has written 1 to public.effects and now waits at a gate: the client, the
+/// job's id and the gate. (It slept 2 s before, which a loaded machine could spend before the
+/// test acted on the running job.)
+fn a_slow_write_running(cluster: &Cluster) -> (Client, i64, harness::Gate) {
     let mut client = cluster.connect();
+    let gate = harness::Gate::closed(cluster, 4250);
     client
-        .batch_execute(
+        .batch_execute(&format!(
             "CREATE TABLE public.effects (n integer);
              CREATE FUNCTION public.slow_write(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
              BEGIN
                  INSERT INTO public.effects VALUES (1);
-                 PERFORM pg_sleep(2);
+                 PERFORM {};
              END $$;
              SELECT durable_jobs.register_durable_job_handler('slow_write', 'public.slow_write(jsonb)');",
-        )
+            harness::Gate::pass(4250)
+        ))
         .unwrap();
     let job_id: i64 =
         client.query_one("SELECT durable_jobs.enqueue_durable_job('slow_write', '{}')", &[]).unwrap().get(0);
-    wait_until(Duration::from_secs(20), "the handler to start", || {
-        workers_waiting_on(&mut client, "PgSleep") == 1
+    wait_until(Duration::from_secs(20), "the handler at the gate", || {
+        harness::waiting_at_gate(&mut client, "durable_jobs worker", 4250) == 1
     });
-    (client, job_id)
+    (client, job_id, gate)
 }
 
 /// A lease lost mid-handler by expiry and reclaim (the worker cuts handlers before their lease
@@ -822,7 +844,7 @@ fn a_slow_write_running(cluster: &Cluster) -> (Client, i64) {
 #[test]
 fn a_lease_lost_to_expiry_and_reclaim_mid_handler_rolls_the_handlers_writes_back() {
     let cluster = Cluster::start(WORKER_CONF);
-    let (mut client, job_id) = a_slow_write_running(&cluster);
+    let (mut client, job_id, mut gate) = a_slow_write_running(&cluster);
     // The lease ends now, and an external worker takes the job over and finishes it.
     client
         .execute(
@@ -836,6 +858,7 @@ fn a_lease_lost_to_expiry_and_reclaim_mid_handler_rolls_the_handlers_writes_back
     txn.execute("INSERT INTO public.effects VALUES (2)", &[]).unwrap();
     assert_eq!(harness::complete(&mut txn, &reclaimed, "external"), "succeeded");
     txn.commit().unwrap();
+    gate.open();
     wait_until(Duration::from_secs(20), "the worker to find its lease lost", || {
         metric(&mut client, "stale") == 1
     });
@@ -1021,10 +1044,11 @@ fn three_jobs_the_second_waiting(client: &mut Client, cluster: &Cluster) -> i64 
 #[test]
 fn a_job_cancelled_while_its_handler_runs_has_its_writes_rolled_back() {
     let cluster = Cluster::start(WORKER_CONF);
-    let (mut client, job_id) = a_slow_write_running(&cluster);
+    let (mut client, job_id, mut gate) = a_slow_write_running(&cluster);
     let cancelled: bool =
         client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
     assert!(cancelled);
+    gate.open();
     wait_until(Duration::from_secs(20), "the worker to notice the lost lease", || {
         metric(&mut client, "stale") == 1
     });
@@ -1756,7 +1780,11 @@ fn a_busy_worker_claims_its_next_batch_in_the_transaction_of_the_batch_before() 
 /// longer than the worker's lock timeout) is rolled back alone: the batch it follows commits as
 /// it is, its handlers' writes once, and the jobs it would have taken are claimed later. Failed
 /// with the claim ahead outside a subtransaction: the batch's transaction failed as a whole
-/// (logged) and its jobs ran again, one transaction each.
+/// (logged) and its jobs ran again, one transaction each. (It also checked that the first batch
+/// was uncommitted while the claim ahead was seen waiting, a window of the worker's 1 s lock
+/// timeout; the log line that the claim ahead failed, and the outcomes, say as much. Broken on
+/// purpose, the claim ahead outside its subtransaction, the batch failed as a whole and the
+/// test with it.)
 #[test]
 fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
     let cluster = Cluster::start(&format!(
@@ -1768,15 +1796,14 @@ fn a_claim_ahead_that_fails_costs_the_batch_before_it_nothing() {
     let mut held = holder.transaction().unwrap();
     held.execute("LOCK TABLE durable_jobs.durable_job_queue IN ACCESS EXCLUSIVE MODE", &[]).unwrap();
     client.execute("SELECT pg_advisory_unlock(4246)", &[]).unwrap();
-    // The claim ahead waits for the table inside the first batch's transaction: its jobs are
-    // still running (not committed) while the worker waits for the lock.
-    let claim_waits = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'
-                       AND wait_event_type = 'Lock' AND wait_event = 'relation'";
-    wait_until(Duration::from_secs(30), "the claim ahead to wait", || count(&mut client, claim_waits) == 1);
-    assert_eq!(jobs_in_state(&mut client, "running"), 2, "the first batch has not committed");
+    // The claim ahead waits for the table inside the first batch's transaction, and gives up on
+    // the worker's lock timeout.
+    wait_until(Duration::from_secs(30), "the claim ahead to give up", || {
+        cluster.server_log().contains("claiming the next batch ahead failed with SQLSTATE 55P03")
+    });
     wait_until(Duration::from_secs(30), "the first batch", || jobs_in_state(&mut client, "succeeded") == 2);
+    // Every later claim waits for the table too, and gives up.
     assert_eq!(jobs_in_state(&mut client, "available"), 2, "the claim ahead was rolled back");
-    assert!(cluster.server_log().contains("claiming the next batch ahead failed with SQLSTATE 55P03"));
     held.rollback().unwrap();
     wait_until(Duration::from_secs(30), "the four jobs", || jobs_in_state(&mut client, "succeeded") == 4);
     assert_eq!(
