@@ -470,13 +470,13 @@ fn terminated_background_workers_mid_batch() {
         });
         held_jobs.push(held_job);
     }
-    let mut terminated = 0;
+    // Load, not proof (the two aimed signals are that; this counted the signals sent before).
     for round in 0..40 {
         thread::sleep(Duration::from_millis(75));
         // Mostly query cancels, which roll back whatever batch or job they hit; now and then a
         // terminate, which the worker obeys between batches.
         let signal = if round % 10 == 9 { "pg_terminate_backend" } else { "pg_cancel_backend" };
-        terminated += count(
+        count(
             &mut client,
             &format!(
                 "SELECT count(*) FROM (SELECT {signal}(pid) FROM pg_stat_activity
@@ -484,10 +484,8 @@ fn terminated_background_workers_mid_batch() {
             ),
         );
     }
-    let tally = drain_and_check(&cluster, "terminated_background_workers", JOBS + 2, started);
+    drain_and_check(&cluster, "terminated_background_workers", JOBS + 2, started);
     externals.stop();
-    assert!(terminated > 0, "workers were terminated");
-    assert!(tally.recovered > 0);
     for held_job in held_jobs {
         assert_ran_again(&mut client, held_job, "terminated_background_workers");
     }
@@ -563,6 +561,12 @@ fn a_batch_rolled_back_after_a_success_counts_none_of_it() {
     assert_counters_match_rows(&mut client, "a_batch_rolled_back_after_a_success");
 }
 
+/// External workers' sessions terminated while they work: what they held comes back after its
+/// lease and runs once. One session of the test claims a job and is terminated holding it (aimed:
+/// the job must run again); the external workers' sessions are terminated five times meanwhile.
+/// (Before, only those unaimed terminations, counted as sent, stood for the proof; broken on
+/// purpose, a claim that never takes a lapsed lease, the aimed job stays running and the test
+/// fails.)
 #[test]
 fn terminated_external_workers_leave_jobs_that_come_back() {
     const JOBS: i64 = 300;
@@ -574,13 +578,18 @@ fn terminated_external_workers_leave_jobs_that_come_back() {
     let mut client = cluster.connect();
     client.batch_execute(SETUP).unwrap();
     let started = Instant::now();
+    enqueue(&mut client, JOBS, 0.0);
+    let mut victim = cluster.connect();
+    let victim_pid: i32 = victim.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let held = harness::claim_from(&mut victim, "external-victim", "default", 1).expect("a job to hold");
+    let ended: bool = client.query_one("SELECT pg_terminate_backend($1)", &[&victim_pid]).unwrap().get(0);
+    assert!(ended, "the holder was terminated");
     let externals = ExternalWorkers::start(
         &cluster,
         4,
         ExternalWork { fail_rate: 0.0, work: Duration::from_millis(30), late: None },
     );
-    enqueue(&mut client, JOBS, 0.0);
-    // Terminate the external workers' sessions a few times while they hold leases.
+    // Terminate the external workers' sessions a few times while they work.
     let mut terminated = 0;
     for _ in 0..5 {
         thread::sleep(Duration::from_millis(300));
@@ -593,11 +602,15 @@ fn terminated_external_workers_leave_jobs_that_come_back() {
             .unwrap()
             .len();
     }
+    wait_until(Duration::from_secs(60), "the held job to run again", || {
+        harness::job_outcome(&mut client, &format!("job_id = {}", held.job_id)).0 == "succeeded"
+    });
     let tally = drain_and_check(&cluster, "terminated_external_workers", JOBS, started);
     let externals = externals.stop();
     assert!(terminated > 0);
     assert!(externals.connection_errors > 0, "the terminations reached the external workers");
     assert!(tally.recovered > 0, "jobs whose holder was terminated came back after their lease");
+    assert_ran_again(&mut client, held.job_id, "terminated_external_workers");
     assert!(count(&mut client, "SELECT count(*) FROM public.effects WHERE applied_by = 'worker'") == 0);
 }
 
