@@ -9,11 +9,11 @@
 /// no other job meanwhile.
 #[pg_test]
 fn a_worker_stops_waiting_for_an_enqueues_commit_that_outlasts_its_wait() {
-    use crate::direct_lease::{transaction_ended, wake_up, Handed};
+    use crate::jobs::direct_lease::{transaction_ended, wake_up, Handed};
     let job = (42_i64, pgrx::Uuid::from_bytes([7; 16]));
     let enqueuing = unsafe { pg_sys::GetTopTransactionId() };
     // Worker 1 of the test cluster stays switched off: its word is this test's to set.
-    crate::direct_lease::committing_for_test(1, job, enqueuing);
+    crate::jobs::direct_lease::committing_for_test(1, job, enqueuing);
     let started = std::time::Instant::now();
     match wake_up(1) {
         Handed::Late(late, transaction) => assert_eq!((late, transaction), (job, enqueuing)),

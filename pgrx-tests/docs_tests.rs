@@ -87,12 +87,12 @@ fn documented_settings_match_the_catalog() {
 #[pg_test]
 fn documented_states_and_failure_codes_match_the_code() {
     // The states and codes the table's constraints accept (src/constraints.rs).
-    let states: Vec<String> = crate::constraints::JOB_STATES.iter().map(|s| (*s).to_owned()).collect();
+    let states: Vec<String> = crate::pg::constraints::JOB_STATES.iter().map(|s| (*s).to_owned()).collect();
     assert_eq!(doc_table_keys("## Job states"), states, "same states, same order");
     let codes: Vec<String> =
-        crate::failure::FailureCode::ALL.iter().map(|c| c.as_str().to_owned()).collect();
+        crate::jobs::failure::FailureCode::ALL.iter().map(|c| c.as_str().to_owned()).collect();
     assert_eq!(sorted(doc_table_keys("## Failure codes")), sorted(codes.clone()));
-    let accepted: Vec<String> = crate::constraints::FAILURE_CODES.iter().map(|c| (*c).to_owned()).collect();
+    let accepted: Vec<String> = crate::pg::constraints::FAILURE_CODES.iter().map(|c| (*c).to_owned()).collect();
     assert_eq!(sorted(accepted), sorted(codes), "the table accepts every code the code has");
 }
 

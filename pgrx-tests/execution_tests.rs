@@ -25,9 +25,9 @@ fn fail_at_next_release(event: pg_sys::SubXactEvent::Type) {
     FAIL_AT_EVENT.store(event, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn write_a_row_in_a_job_subtransaction() -> Result<bool, crate::execution::CaughtFailure> {
+fn write_a_row_in_a_job_subtransaction() -> Result<bool, crate::worker::execution::CaughtFailure> {
     Spi::run("CREATE TEMP TABLE written (n int)").unwrap();
-    crate::execution::in_subtransaction(|| {
+    crate::worker::execution::in_subtransaction(|| {
         Spi::run("INSERT INTO written VALUES (1)").unwrap();
         true
     })
@@ -66,10 +66,10 @@ fn waits_for_held_rows_leave_every_lease_of_the_step_live() {
     let second = 1_000_000i64;
     let start = 1_000 * second;
     // A 20 s lease's margin (2 s), 1.1 s left: a handler that used its whole timeout.
-    let waits = crate::execution::RowWaits::starting_at(start, start + 1_100_000, 2_000);
+    let waits = crate::worker::execution::RowWaits::starting_at(start, start + 1_100_000, 2_000);
     assert_eq!(waits.wait_ms_at(start), 150, "(1,100 - 500) / 4 ms");
     for (left_ms, margin_ms) in [(1_100i64, 2_000i64), (9_500, 1_000), (3_000, 300), (60_000, 2_000), (400, 100)] {
-        let waits = crate::execution::RowWaits::starting_at(start, start + left_ms * 1000, margin_ms);
+        let waits = crate::worker::execution::RowWaits::starting_at(start, start + left_ms * 1000, margin_ms);
         // One wait after another, each used in full, as long as the step allows one.
         let (mut now, mut waited_ms) = (start, 0i64);
         loop {

@@ -146,14 +146,14 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
                      row.get::<pg_sys::Oid>(3).unwrap().unwrap())
                 })
             });
-            let checked = crate::handlers::runnable_handler(handler, enqueuer, enqueuer)
+            let checked = crate::api::handlers::runnable_handler(handler, enqueuer, enqueuer)
                 .map(|found| (found.routine, found.is_procedure, found.role));
             assert_eq!(checked, expected, "{handler} enqueued by {enqueuer}");
             if checked.is_some() { runnable += 1 } else { refused += 1 }
         }
     }
     assert!(runnable >= 8 && refused >= 20, "{runnable} runnable, {refused} refused");
-    let may_run = |handler: &str, enqueuer: &str| crate::handlers::runnable_handler(handler, enqueuer, enqueuer).is_some();
+    let may_run = |handler: &str, enqueuer: &str| crate::api::handlers::runnable_handler(handler, enqueuer, enqueuer).is_some();
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a group's code never runs as its member");
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "nor as a member's member");
     assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_owner"), "the owner's own code runs as itself");
@@ -238,10 +238,10 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
 
 /// Calls `handler` as the worker would at a job's turn, with an empty payload, in a
 /// subtransaction: "ran", or the SQLSTATE of the error that stopped it.
-fn call_handler_in_subtransaction(handler: crate::handlers::RunnableHandler) -> String {
-    let payload = Spi::get_one::<crate::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
-    match crate::execution::in_subtransaction(|| {
-        crate::execution::call_handler(handler, payload);
+fn call_handler_in_subtransaction(handler: crate::api::handlers::RunnableHandler) -> String {
+    let payload = Spi::get_one::<crate::pg::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
+    match crate::worker::execution::in_subtransaction(|| {
+        crate::worker::execution::call_handler(handler, payload);
         true
     }) {
         Ok(_) => "ran".to_string(),
@@ -276,7 +276,7 @@ fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
     )
     .unwrap();
     let claimed: Vec<(i64, pgrx::Uuid)> = (0..2).map(|_| claim("w").unwrap()).collect();
-    let load = |job: (i64, pgrx::Uuid)| crate::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded");
+    let load = |job: (i64, pgrx::Uuid)| crate::worker::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded");
     let admins = one::<pg_sys::Oid>("SELECT 'public.dj_rc_admins(jsonb)'::regprocedure::oid");
     let first = load(claimed[0]);
     assert_eq!(first.handler.map(|handler| handler.routine), Some(admins), "the registration that served the claim");
@@ -319,7 +319,7 @@ fn the_worker_checks_a_handler_again_when_it_calls_it() {
     )
     .unwrap();
     let handler =
-        crate::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
+        crate::api::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
     let call = || call_handler_in_subtransaction(handler);
     assert_eq!(call(), "ran");
     Spi::run("ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_other").unwrap();
@@ -333,7 +333,7 @@ fn the_worker_checks_a_handler_again_when_it_calls_it() {
 
 #[pg_test]
 fn sqlstates_map_to_stable_failure_codes() {
-    use crate::failure::FailureCode::*;
+    use crate::jobs::failure::FailureCode::*;
     for (sqlstate, expected) in [
         ("22012", InvalidRequest),
         ("22P02", InvalidRequest),
@@ -352,7 +352,7 @@ fn sqlstates_map_to_stable_failure_codes() {
         ("XX000", UnexpectedFailure),
         ("55000", UnexpectedFailure),
     ] {
-        assert_eq!(crate::failure::FailureCode::from_sqlstate(sqlstate), expected, "{sqlstate}");
+        assert_eq!(crate::jobs::failure::FailureCode::from_sqlstate(sqlstate), expected, "{sqlstate}");
     }
     assert!(TargetUnavailable.is_retryable() && UnexpectedFailure.is_retryable());
     assert!(!InvalidRequest.is_retryable() && !IntegrityViolation.is_retryable());
@@ -368,7 +368,7 @@ fn a_caught_error_yields_its_sqlstate() {
     })
     .catch_others(|error| match error {
         pg_sys::panic::CaughtError::PostgresError(report) => {
-            crate::execution::sqlstate_text(report.sql_error_code() as i32)
+            crate::worker::execution::sqlstate_text(report.sql_error_code() as i32)
         }
         _ => "not a postgres error".into(),
     })
@@ -426,7 +426,7 @@ fn metrics_count_every_state_in_one_pass_over_the_job_table() {
     // big estimate (other tests' rows, rolled back, leave the table's pages) the planner may
     // pick a parallel scan.
     Spi::run("SET LOCAL max_parallel_workers_per_gather = 0").unwrap();
-    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::metrics::JOBS_PER_STATE)).0;
+    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::jobs::metrics::JOBS_PER_STATE)).0;
     let reads: i64 = Spi::get_one_with_args(
         r#"SELECT sum((n ->> 'Actual Loops')::bigint)::bigint
            FROM jsonb_path_query($1::jsonb, 'strict $.** ? (@."Relation Name" == "durable_job")') AS n"#,

@@ -211,7 +211,7 @@ fn complete_is_fenced_on_owner_token_and_expiry() {
 fn the_workers_batch_completion_is_fenced_on_owner_token_and_expiry() {
     for skip_held in [false, true] {
         let complete_jobs = |leases: &[(i64, pgrx::Uuid)], owner: &str| {
-            crate::lease::complete_jobs(leases, owner, skip_held).len()
+            crate::jobs::lease::complete_jobs(leases, owner, skip_held).len()
         };
         let job_id = enqueue("k", "{}");
         let (claimed, token) = claim("w").unwrap();
@@ -386,7 +386,7 @@ fn uuid_list(tokens: &[pgrx::Uuid]) -> String {
 
 /// Lease tokens for `count` jobs, as the claims take them.
 fn lease_tokens(count: usize) -> Vec<pgrx::Uuid> {
-    (0..count).map(|_| crate::randomness::new_uuid()).collect()
+    (0..count).map(|_| crate::pg::randomness::new_uuid()).collect()
 }
 
 fn planner_settings(settings: &[(&std::ffi::CStr, &std::ffi::CStr)]) {
@@ -411,12 +411,12 @@ fn explain_prepared(types: &str, statement: &str, arguments: &str, options: &str
 #[pg_test]
 fn the_claim_is_an_index_scan_in_claim_order() {
     a_large_analyzed_queue();
-    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
+    planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
     // Any kind, and one kind.
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
         let plan = Spi::explain_with_args(
-            &crate::lease::with_limit(crate::lease::CLAIM, 1),
+            &crate::jobs::lease::with_limit(crate::jobs::lease::CLAIM, 1),
             &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into(), lease_tokens(1).into()],
         )
         .unwrap();
@@ -446,12 +446,12 @@ fn a_large_analyzed_queue() {
 fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
-    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
-    for (name, statement) in [("api", crate::lease::CLAIM), ("worker", crate::lease::CLAIM_FOR_WORKER)] {
+    planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
+    for (name, statement) in [("api", crate::jobs::lease::CLAIM), ("worker", crate::jobs::lease::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
             let plan = explain_prepared(
                 "text[], text, float8, bool, text[], uuid[]",
-                &crate::lease::with_limit(statement, limit),
+                &crate::jobs::lease::with_limit(statement, limit),
                 &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
                 "",
             );
@@ -486,29 +486,29 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         args
     };
     let statements = [
-        ("complete", crate::lease::COMPLETE, one()),
+        ("complete", crate::jobs::lease::COMPLETE, one()),
         (
             "fail",
-            crate::lease::FAIL,
+            crate::jobs::lease::FAIL,
             with(
                 one(),
                 vec![true.into(), 1000i32.into(), 3600i32.into(), "target_rejected".into(), "P0001".into()],
             ),
         ),
-        ("extend", crate::lease::EXTEND, with(one(), vec![60.0f64.into()])),
-        ("renew", crate::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
-        ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
-        ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
+        ("extend", crate::jobs::lease::EXTEND, with(one(), vec![60.0f64.into()])),
+        ("renew", crate::jobs::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
+        ("renew skipping held", crate::jobs::lease::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
+        ("renew after a rollback", crate::jobs::lease::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
         (
             "renew after a rollback within a limit",
-            crate::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            crate::jobs::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
             with(many(), vec![60.0f64.into()]),
         ),
-        ("held", crate::lease::HELD_LEASES, many()),
-        ("release", crate::lease::RELEASE_UNSTARTED, many()),
-        ("complete batch", crate::lease::COMPLETE_BATCH, many()),
-        ("complete batch skipping held", crate::lease::COMPLETE_BATCH_SKIPPING_HELD, many()),
-        ("load", crate::execution::LOAD_JOBS, many()),
+        ("held", crate::jobs::lease::HELD_LEASES, many()),
+        ("release", crate::jobs::lease::RELEASE_UNSTARTED, many()),
+        ("complete batch", crate::jobs::lease::COMPLETE_BATCH, many()),
+        ("complete batch skipping held", crate::jobs::lease::COMPLETE_BATCH_SKIPPING_HELD, many()),
+        ("load", crate::worker::execution::LOAD_JOBS, many()),
     ];
     for (name, statement, args) in statements {
         let plan = Spi::explain_with_args(statement, &args).unwrap().0.to_string();
@@ -579,23 +579,23 @@ fn the_generic_plans_of_the_batch_statements_find_jobs_by_primary_key_on_a_small
 /// the planner settings the worker runs them with (plans::BATCH_PLANNER_SETTINGS).
 fn assert_generic_batch_plans_find_jobs_by_primary_key() {
     let (job_id, token) = claim("w").unwrap();
-    planner_settings(crate::plans::BATCH_PLANNER_SETTINGS);
+    planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let leases = "int8[], uuid[], text";
     let statements = [
-        ("renew", crate::lease::RENEW_BATCH, ", float8", ", 60"),
-        ("renew skipping held", crate::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
-        ("renew after a rollback", crate::lease::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
+        ("renew", crate::jobs::lease::RENEW_BATCH, ", float8", ", 60"),
+        ("renew skipping held", crate::jobs::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
+        ("renew after a rollback", crate::jobs::lease::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
         (
             "renew after a rollback within a limit",
-            crate::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            crate::jobs::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
             ", float8",
             ", 60",
         ),
-        ("held", crate::lease::HELD_LEASES, "", ""),
-        ("release", crate::lease::RELEASE_UNSTARTED, "", ""),
-        ("complete batch", crate::lease::COMPLETE_BATCH, "", ""),
-        ("complete batch skipping held", crate::lease::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
-        ("load", crate::execution::LOAD_JOBS, "", ""),
+        ("held", crate::jobs::lease::HELD_LEASES, "", ""),
+        ("release", crate::jobs::lease::RELEASE_UNSTARTED, "", ""),
+        ("complete batch", crate::jobs::lease::COMPLETE_BATCH, "", ""),
+        ("complete batch skipping held", crate::jobs::lease::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
+        ("load", crate::worker::execution::LOAD_JOBS, "", ""),
     ];
     for (name, statement, more_types, more_args) in statements {
         let plan = explain_prepared(
@@ -636,10 +636,10 @@ fn a_claim_leaves_the_sessions_planner_settings_as_they_were() {
 fn a_claim_is_not_compiled_by_jit() {
     enqueue("k", "{}");
     Spi::run("SET LOCAL jit_above_cost = 0").unwrap();
-    planner_settings(crate::plans::CLAIM_PLANNER_SETTINGS);
+    planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
     let plan = explain_prepared(
         "text[], text, float8, bool, text[], uuid[]",
-        &crate::lease::with_limit(crate::lease::CLAIM, 50),
+        &crate::jobs::lease::with_limit(crate::jobs::lease::CLAIM, 50),
         &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
         "ANALYZE, ",
     );
@@ -653,13 +653,13 @@ fn the_statements_over_a_batch_are_not_compiled_by_jit() {
     enqueue("k", "{}");
     let (job_id, token) = claim("w").unwrap();
     Spi::run("SET LOCAL jit_above_cost = 0").unwrap();
-    planner_settings(crate::plans::BATCH_PLANNER_SETTINGS);
+    planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let leases = format!("'{{{job_id}}}', '{{{token}}}', 'w'");
     for (statement, more_types, more_args) in [
-        (crate::execution::LOAD_JOBS, "", ""),
-        (crate::lease::HELD_LEASES, "", ""),
-        (crate::lease::RENEW_BATCH, ", float8", ", 60"),
-        (crate::lease::COMPLETE_BATCH, "", ""),
+        (crate::worker::execution::LOAD_JOBS, "", ""),
+        (crate::jobs::lease::HELD_LEASES, "", ""),
+        (crate::jobs::lease::RENEW_BATCH, ", float8", ", 60"),
+        (crate::jobs::lease::COMPLETE_BATCH, "", ""),
     ] {
         let plan =
             explain_prepared(&format!("int8[], uuid[], text{more_types}"), statement, &format!("{leases}{more_args}"), "ANALYZE, ");
@@ -687,9 +687,9 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     // The settings the worker loads a batch under. Without them the plan depended on whether
     // another test had analyzed the job table first: run alone, on a job table never analyzed,
     // the five jobs were read by a sequential scan and the test failed.
-    planner_settings(crate::plans::BATCH_PLANNER_SETTINGS);
+    planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let plan = Spi::get_one_with_args::<pgrx::Json>(
-        &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::execution::LOAD_JOBS),
+        &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::worker::execution::LOAD_JOBS),
         &[ids.into(), tokens.into(), "w".into()],
     )
     .unwrap()
@@ -705,9 +705,9 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     )
     .unwrap();
     assert_eq!(other_scans.as_deref(), Some("Index Scan durable_job_handler_pkey"), "{plan}");
-    crate::handlers::HANDLER_CHECKS.with(|checks| checks.set(0));
-    let loaded = crate::execution::load_jobs(&leases, "w");
-    assert_eq!(crate::handlers::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");
+    crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.set(0));
+    let loaded = crate::worker::execution::load_jobs(&leases, "w");
+    assert_eq!(crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");
     let runnable: Vec<Option<bool>> =
         leases.iter().map(|(id, _)| loaded.get(id).map(|job| job.handler.is_some())).collect();
     assert_eq!(runnable, [Some(true), Some(true), Some(true), Some(true), Some(false)], "the unregistered kind last");
@@ -732,7 +732,7 @@ fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     Spi::run("UPDATE durable_jobs.durable_job SET priority = 10 WHERE job_state = 'available'").unwrap();
     let theirs = [claim("other").unwrap(), claim("other").unwrap()];
     assert!(ours.iter().all(|(ours, _)| theirs.iter().all(|(theirs, _)| ours != theirs)), "new jobs, not ours");
-    assert_eq!(crate::lease::renew_leases_after_rollback(&ours, "w", 60), vec![], "the queue is full");
+    assert_eq!(crate::jobs::lease::renew_leases_after_rollback(&ours, "w", 60), vec![], "the queue is full");
     assert_eq!(
         Spi::get_one_with_args::<&str>(
             "SELECT durable_jobs.complete_durable_job($1, 'other', $2)",
@@ -741,7 +741,7 @@ fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
         .unwrap(),
         Some("succeeded")
     );
-    let renewed = crate::lease::renew_leases_after_rollback(&ours, "w", 60);
+    let renewed = crate::jobs::lease::renew_leases_after_rollback(&ours, "w", 60);
     assert_eq!(renewed.iter().map(|(job_id, _)| *job_id).collect::<Vec<_>>(), [ours[0].0], "one place was free");
     let running = Spi::get_one::<i64>("SELECT durable_jobs.durable_job_queue_running('limited')").unwrap();
     assert_eq!(running, Some(2));
@@ -771,7 +771,7 @@ fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
     lapse(reclaimed.0);
     assert_eq!(claim("other").map(|(job_id, _)| job_id), Some(reclaimed.0), "another worker reclaims it");
     lapse(expired.0);
-    assert_eq!(crate::lease::expire_exhausted_leases(), 1, "the expiry ends the exhausted lease");
+    assert_eq!(crate::jobs::lease::expire_exhausted_leases(), 1, "the expiry ends the exhausted lease");
     lapse(untouched.0);
     Spi::run(&format!("SELECT durable_jobs.cancel_durable_job({})", cancelled.0)).unwrap();
     assert_eq!(
@@ -783,7 +783,7 @@ fn a_renewal_after_a_rollback_renews_lapsed_leases_no_one_took() {
         Some("succeeded")
     );
     let leases = [untouched, reclaimed, cancelled, completed, expired];
-    let renewed = crate::lease::renew_leases_after_rollback(&leases, "w", 60);
+    let renewed = crate::jobs::lease::renew_leases_after_rollback(&leases, "w", 60);
     assert_eq!(renewed.iter().map(|(job_id, _)| *job_id).collect::<Vec<_>>(), [untouched.0]);
     let lasts_a_lease = Spi::get_one_with_args::<bool>(
         "SELECT lease_expires_at > clock_timestamp() + interval '50 seconds' FROM durable_jobs.durable_job WHERE job_id = $1",

@@ -108,7 +108,7 @@ fn pruning_reads_only_the_expired_part_of_the_finished_index() {
     )
     .unwrap();
     let plan = Spi::explain_with_args(
-        crate::retention::DELETE_FINISHED,
+        crate::jobs::retention::DELETE_FINISHED,
         &[pgrx::datum::Interval::from_days(7).into(), 1000i64.into()],
     )
     .unwrap();

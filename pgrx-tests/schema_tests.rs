@@ -172,7 +172,7 @@ fn every_function_pins_search_path_and_declares_volatility() {
                    AND p.proname <> ALL ($1)
                  ORDER BY 1",
                 None,
-                &[crate::constraints::C_FUNCTIONS.iter().chain(&crate::queues::C_FUNCTIONS).copied().collect::<Vec<_>>().into()],
+                &[crate::pg::constraints::C_FUNCTIONS.iter().chain(&crate::api::queues::C_FUNCTIONS).copied().collect::<Vec<_>>().into()],
             )
             .unwrap()
             .map(|row| row.get::<String>(1).unwrap().unwrap())
@@ -184,11 +184,11 @@ fn every_function_pins_search_path_and_declares_volatility() {
         "SELECT count(*) FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
          WHERE p.pronamespace = 'durable_jobs'::regnamespace AND p.proname = ANY ($1)
            AND l.lanname = 'c' AND p.provolatile = 'i' AND p.proconfig IS NULL AND NOT p.prosecdef",
-        &[crate::constraints::C_FUNCTIONS.to_vec().into()],
+        &[crate::pg::constraints::C_FUNCTIONS.to_vec().into()],
     )
     .unwrap()
     .unwrap();
-    assert_eq!(compiled, crate::constraints::C_FUNCTIONS.len() as i64);
+    assert_eq!(compiled, crate::pg::constraints::C_FUNCTIONS.len() as i64);
     let api_functions: i64 = one(
         "SELECT count(*) FROM pg_proc p
          WHERE p.pronamespace = 'durable_jobs'::regnamespace

@@ -329,7 +329,7 @@ fn listing_cost(
     page_size: i64,
     roles: Option<Vec<String>>,
 ) -> (i64, bool) {
-    let filters = crate::status::ListFilters {
+    let filters = crate::api::status::ListFilters {
         queue_name: queue_name.map(str::to_owned),
         job_states: job_states.to_vec(),
         job_kind: None,
@@ -419,7 +419,7 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
     let few_among_many = || {
         Some(std::iter::once("dj_test_few".to_string()).chain((1..=12).map(|n| format!("dj_test_none_{n}"))).collect())
     };
-    assert!(13 * crate::status::JOB_STATES.len() > crate::status::MERGED_RANGES_LIMIT);
+    assert!(13 * crate::api::status::JOB_STATES.len() > crate::api::status::MERGED_RANGES_LIMIT);
     for (what, queue, states, below, roles) in [
         ("first page", None, &[][..], i64::MAX, None),
         ("page at depth 100,000", None, &[][..], deep, None),
@@ -454,7 +454,7 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         let roles = 3;
         let ranges = match (states.len(), queue) {
             (0, None) => 1,
-            (0, Some(_)) => roles * crate::status::JOB_STATES.len(),
+            (0, Some(_)) => roles * crate::api::status::JOB_STATES.len(),
             (n, _) => roles * n,
         } as i64;
         assert!(entries <= 100 * ranges + ranges, "{what}: {entries} index entries for a page of 100");
@@ -466,7 +466,7 @@ fn a_page_reads_about_one_page_of_index_entries_at_any_depth_and_for_rare_states
         assert!(index_only && entries <= 10 * 3 + 3, "running jobs, queue {queue:?}: {entries} entries for a page of 10");
     }
     // The roles that enqueued jobs (a caller that sees all): a few entries per role, never the table.
-    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::status::ENQUEUING_ROLES)).0;
+    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::api::status::ENQUEUING_ROLES)).0;
     let (entries, index_only) = index_entries_read(plan.to_string());
     assert!(index_only && entries <= 4 * 3 + 4, "enqueuing roles: {entries} index entries for 3 roles");
 }
@@ -642,7 +642,7 @@ fn a_listing_over_many_enqueuing_roles_still_walks_every_job_once() {
          SELECT 'many', 'k', '{}', 1, 'role_' || (g % 13) FROM generate_series(1, 130) g",
     )
     .unwrap();
-    assert!(13 * crate::status::JOB_STATES.len() > crate::status::MERGED_RANGES_LIMIT);
+    assert!(13 * crate::api::status::JOB_STATES.len() > crate::api::status::MERGED_RANGES_LIMIT);
     let mut seen = Vec::new();
     let mut cursor: Option<String> = None;
     loop {

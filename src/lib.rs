@@ -14,29 +14,9 @@
 
 use pgrx::prelude::*;
 
-mod arguments;
-mod constraints;
-mod direct_lease;
-mod enqueue;
-mod execution;
-mod failure;
-mod handlers;
-mod hooks;
-mod lease;
-mod metrics;
-mod plans;
-mod privilege;
-mod queues;
-mod randomness;
-mod replay;
-mod retention;
-mod runner;
-mod settings;
-mod sql_types;
-mod status;
-mod wait_horizon;
-mod waiters;
-mod wakeup;
+mod api;
+mod jobs;
+mod pg;
 mod worker;
 
 ::pgrx::pg_module_magic!();
@@ -52,23 +32,23 @@ extension_sql_file!("../sql/durable_jobs_privileges.sql", name = "privileges", f
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     disable_error_backtraces();
-    settings::register();
+    pg::settings::register();
     // Shared memory, postmaster settings and static workers exist only when preloaded.
     if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
-        settings::register_postmaster_settings();
-        metrics::init_shared_memory();
-        wakeup::init_shared_memory();
-        direct_lease::init_shared_memory();
-        runner::init_shared_memory();
-        waiters::init_shared_memory();
-        hooks::install();
+        pg::settings::register_postmaster_settings();
+        jobs::metrics::init_shared_memory();
+        jobs::wakeup::init_shared_memory();
+        jobs::direct_lease::init_shared_memory();
+        worker::runner::init_shared_memory();
+        jobs::waiters::init_shared_memory();
+        jobs::hooks::install();
         // pg_upgrade starts the servers in binary-upgrade mode and must be the only one using
         // the databases: a worker connected to one makes its restore fail.
         if !unsafe { pg_sys::IsBinaryUpgrade } {
             worker::register_workers();
         }
     }
-    settings::reserve_prefix();
+    pg::settings::reserve_prefix();
 }
 
 /// No Rust backtrace ever reaches a client or the server log: pgrx attaches

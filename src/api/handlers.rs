@@ -6,10 +6,10 @@
 //! role must itself be allowed to execute the handler, and only the role that registered a kind
 //! (or roles with its privileges) may replace or remove that registration.
 
-use crate::arguments;
-use crate::lease::first_value_of;
-use crate::privilege::{as_extension_owner, caller, Caller};
-use crate::sql_types::Regprocedure;
+use crate::jobs::arguments;
+use crate::jobs::lease::first_value_of;
+use crate::pg::privilege::{as_extension_owner, caller, Caller};
+use crate::pg::sql_types::Regprocedure;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -79,7 +79,7 @@ fn may_change_registration(job_kind: &str, caller: &Caller) -> Option<bool> {
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regprocedure>) {
-    crate::direct_lease::withdraw();
+    crate::jobs::direct_lease::withdraw();
     let job_kind = arguments::name(job_kind, "job_kind");
     let handler = arguments::required(handler, "handler").0;
     let caller = caller();
@@ -133,7 +133,7 @@ fn register_durable_job_handler(job_kind: Option<String>, handler: Option<Regpro
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn unregister_durable_job_handler(job_kind: Option<String>) -> bool {
-    crate::direct_lease::withdraw();
+    crate::jobs::direct_lease::withdraw();
     let job_kind = arguments::name(job_kind, "job_kind");
     let caller = caller();
     as_extension_owner(|| {

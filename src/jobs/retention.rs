@@ -3,9 +3,9 @@
 //! (`durable_jobs.retention_period`); `prune_durable_jobs` lets a deployment that runs only
 //! external workers do the same from a scheduler.
 
-use crate::arguments;
-use crate::plans;
-use crate::privilege::{as_extension_owner_of, Installed};
+use crate::jobs::arguments;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_of, Installed};
 use pgrx::prelude::*;
 
 /// Most jobs one call of `prune_durable_jobs` may delete, so that one call stays one short
@@ -47,7 +47,7 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
             .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))
             .collect();
         // Their waiters learn at the commit that they are gone.
-        crate::waiters::wake_waiters_at_commit(deleted.iter().copied(), crate::waiters::Change::Terminal);
+        crate::jobs::waiters::wake_waiters_at_commit(deleted.iter().copied(), crate::jobs::waiters::Change::Terminal);
         deleted.len() as i64
     })
 }

@@ -9,19 +9,19 @@
 //! failed, fenced, with the stable code of the error's SQLSTATE. Whatever a handler could leave
 //! in the session is cleared before the next job runs.
 
-use crate::failure::FailureCode;
-use crate::handlers::{
+use crate::jobs::failure::FailureCode;
+use crate::api::handlers::{
     may_run_routine, registrant_serves, registration_serves, routine_still_exists, runnable_handler,
     RunnableHandler,
 };
-use crate::lease;
-use crate::metrics::{Counter, Tally};
-use crate::plans;
-use crate::privilege::{
+use crate::jobs::lease;
+use crate::jobs::metrics::{Counter, Tally};
+use crate::pg::plans;
+use crate::pg::privilege::{
     as_extension_owner, as_owner, installed_at_library_version, set_at_this_level, with_worker_settings,
 };
-use crate::randomness;
-use crate::sql_types::JsonbDatum;
+use crate::pg::randomness;
+use crate::pg::sql_types::JsonbDatum;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
@@ -597,7 +597,7 @@ fn run_job(
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
         Err(error) => {
-            if crate::settings::LOG_HANDLER_ERRORS.get() {
+            if crate::pg::settings::LOG_HANDLER_ERRORS.get() {
                 // The handler's own message: it may quote what the handler put in it, never
                 // the payload by our doing.
                 log!(
@@ -642,7 +642,7 @@ pub(crate) fn call_handler(handler: RunnableHandler, payload: JsonbDatum) {
         }
         // Only as the session's bound role: one renamed, or dropped and created again, after the
         // claim (the worker restarts at its next claim) fails this attempt, retried.
-        if !crate::privilege::session_may_run_as(handler.role) {
+        if !crate::pg::privilege::session_may_run_as(handler.role) {
             ereport!(
                 ERROR,
                 PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,

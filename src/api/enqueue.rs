@@ -1,11 +1,11 @@
 //! enqueue_durable_job and enqueue_durable_jobs: validated inserts, with idempotency keys that
 //! outlive the payload.
 
-use crate::arguments;
-use crate::direct_lease;
-use crate::plans;
-use crate::privilege::{as_extension_owner_of, caller, Installed};
-use crate::sql_types::{JsonbArray, JsonbDatum};
+use crate::jobs::arguments;
+use crate::jobs::direct_lease;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_of, caller, Installed};
+use crate::pg::sql_types::{JsonbArray, JsonbDatum};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
@@ -272,7 +272,7 @@ fn key_used_by_another_job() -> ! {
 
 /// 55000 while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
 pub fn require_intake_enabled() {
-    if !crate::settings::INTAKE_ENABLED.get() {
+    if !crate::pg::settings::INTAKE_ENABLED.get() {
         ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -283,13 +283,13 @@ pub fn require_intake_enabled() {
 
 /// 54000 for a payload (of `size` bytes, decompressed) over `durable_jobs.max_payload_size`.
 pub fn check_payload_size(size: usize) {
-    if size > crate::settings::MAX_PAYLOAD_SIZE.get() as usize * 1024 {
+    if size > crate::pg::settings::MAX_PAYLOAD_SIZE.get() as usize * 1024 {
         ereport!(
             ERROR,
             PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             format!(
                 "payload is larger than durable_jobs.max_payload_size ({} kB)",
-                crate::settings::MAX_PAYLOAD_SIZE.get()
+                crate::pg::settings::MAX_PAYLOAD_SIZE.get()
             )
         );
     }
@@ -315,7 +315,7 @@ fn enqueue_durable_job(
     });
     // A job leased to a sleeping worker wakes that worker only, by its hand-over.
     if !direct_lease::lease_pending() {
-        crate::wakeup::wake_workers_at_commit();
+        crate::jobs::wakeup::wake_workers_at_commit();
     }
     job_id
 }
@@ -385,6 +385,6 @@ fn enqueue_durable_jobs(
             }
         })
     });
-    crate::wakeup::wake_workers_at_commit();
+    crate::jobs::wakeup::wake_workers_at_commit();
     SetOfIterator::new(job_ids)
 }

@@ -4,12 +4,12 @@
 //! Any other job is simply not there to these reads (cancel and replay refuse it with 42501). No
 //! status row ever carries a payload or a lease token.
 
-use crate::arguments;
-use crate::plans;
-use crate::privilege::{as_extension_owner_of, caller, Caller};
-use crate::sql_types::{JobListingRow, JobStatusRow};
-use crate::wait_horizon;
-use crate::waiters::WaiterSlot;
+use crate::jobs::arguments;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_of, caller, Caller};
+use crate::pg::sql_types::{JobListingRow, JobStatusRow};
+use crate::jobs::wait_horizon;
+use crate::jobs::waiters::WaiterSlot;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -140,7 +140,7 @@ fn wait_for_durable_job(
         let sleep = (deadline - now).min(recheck);
         wait_horizon::release_for_sleep(statement_snapshot);
         // A query cancel or a terminate ends the wait here (57014, 57P01).
-        crate::wakeup::sleep_on_latch(sleep);
+        crate::jobs::wakeup::sleep_on_latch(sleep);
     };
     drop(slot);
     SetOfIterator::new(row)

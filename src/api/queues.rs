@@ -2,9 +2,9 @@
 //! workers alike), and enqueue into it goes on; a queue's concurrency limit caps how many of its
 //! jobs run at once.
 
-use crate::arguments;
-use crate::lease::first_value_of;
-use crate::privilege::{as_extension_owner, caller};
+use crate::jobs::arguments;
+use crate::jobs::lease::first_value_of;
+use crate::pg::privilege::{as_extension_owner, caller};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -42,7 +42,7 @@ fn set_paused(queue_name: Option<String>, paused: bool) -> bool {
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn pause_durable_job_queue(queue_name: Option<String>) -> bool {
-    crate::direct_lease::withdraw();
+    crate::jobs::direct_lease::withdraw();
     set_paused(queue_name, true)
 }
 
@@ -68,7 +68,7 @@ const CONCURRENCY_LIMIT_MAX: i32 = 100_000;
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_limit: Option<i32>) {
-    crate::direct_lease::withdraw();
+    crate::jobs::direct_lease::withdraw();
     let queue_name = arguments::name(queue_name, "queue_name");
     if let Some(limit) = concurrency_limit {
         if !(1..=CONCURRENCY_LIMIT_MAX).contains(&limit) {

@@ -5,14 +5,14 @@
 //! clock_timestamp() at that moment, so a worker whose lease lapsed or was taken over changes
 //! nothing and is told `stale`.
 
-use crate::arguments;
-use crate::failure::FailureCode;
-use crate::plans;
-use crate::privilege::{as_extension_owner, as_extension_owner_of, caller, Installed};
-use crate::randomness;
-use crate::settings;
-use crate::sql_types::JsonbDatum;
-use crate::waiters::{self, Change};
+use crate::jobs::arguments;
+use crate::jobs::failure::FailureCode;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner, as_extension_owner_of, caller, Installed};
+use crate::pg::randomness;
+use crate::pg::settings;
+use crate::pg::sql_types::JsonbDatum;
+use crate::jobs::waiters::{self, Change};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::Uuid;
@@ -903,7 +903,7 @@ fn extend_durable_job_lease(
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn cancel_durable_job(job_id: Option<i64>) -> bool {
-    crate::direct_lease::withdraw();
+    crate::jobs::direct_lease::withdraw();
     let job_id = arguments::required(job_id, "job_id");
     let caller = caller();
     let args = [job_id.into(), caller.role_oid.into(), caller.is_superuser.into()];

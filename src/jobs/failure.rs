@@ -1,7 +1,7 @@
 //! Stable failure codes: the only words a failed job carries, so they may appear in metrics and
 //! logs. Which are worth retrying is decided here and nowhere else.
 
-use crate::arguments::invalid;
+use crate::jobs::arguments::invalid;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureCode {

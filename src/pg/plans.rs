@@ -127,7 +127,7 @@ fn with_settings<R>(settings: &[(&std::ffi::CStr, &std::ffi::CStr)], f: impl FnO
     unsafe {
         let level = pgrx::pg_sys::NewGUCNestLevel();
         for (name, value) in settings {
-            crate::privilege::set_at_this_level(name, value);
+            crate::pg::privilege::set_at_this_level(name, value);
         }
         let result = f();
         pgrx::pg_sys::AtEOXact_GUC(true, level);

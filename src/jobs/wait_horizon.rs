@@ -21,7 +21,7 @@
 //! FETCH passes every check as the client's own statement. It is harmless: its function scan is
 //! the only reader of its snapshot, and persisting it at commit re-reads only the rows it stored.
 
-use crate::hooks;
+use crate::jobs::hooks;
 use pgrx::pg_sys;
 
 /// The elements of a PostgreSQL List of pointers.

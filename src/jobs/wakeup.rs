@@ -4,7 +4,7 @@
 //! rolled-back enqueue wakes no one).
 //! Also the latch helpers the waiters and the role runners share.
 
-use crate::settings::WORKER_COUNT_LIMIT;
+use crate::pg::settings::WORKER_COUNT_LIMIT;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, PgXactCallbackEvent};
@@ -41,10 +41,10 @@ pub fn init_shared_memory() {
 /// Called by worker `number` (1-based) once it runs; the slot is cleared when it exits.
 pub fn publish_worker(number: i32) {
     set_worker_wakeable(number, true);
-    crate::direct_lease::reset(number, true);
+    crate::jobs::direct_lease::reset(number, true);
     unsafe extern "C-unwind" fn clear_slot(_code: std::ffi::c_int, number: pg_sys::Datum) {
         set_worker_wakeable(number.value() as i32, false);
-        crate::direct_lease::reset(number.value() as i32, false);
+        crate::jobs::direct_lease::reset(number.value() as i32, false);
     }
     unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(number)) };
 }

@@ -54,8 +54,8 @@ pub fn priority(value: Option<i32>) -> i32 {
 }
 
 pub fn max_attempts(value: Option<i32>) -> i32 {
-    let limit = crate::settings::MAX_ATTEMPTS_LIMIT;
-    let value = value.unwrap_or_else(|| crate::settings::MAX_ATTEMPTS.get());
+    let limit = crate::pg::settings::MAX_ATTEMPTS_LIMIT;
+    let value = value.unwrap_or_else(|| crate::pg::settings::MAX_ATTEMPTS.get());
     if !(1..=limit).contains(&value) {
         invalid(&format!("max_attempts must be between 1 and {limit}"));
     }
@@ -64,9 +64,9 @@ pub fn max_attempts(value: Option<i32>) -> i32 {
 
 /// A lease length: NULL means the configured default; otherwise 1 to durable_jobs.max_lease_duration.
 pub fn lease_seconds(value: Option<i32>) -> i32 {
-    let maximum = crate::settings::MAX_LEASE_DURATION.get();
+    let maximum = crate::pg::settings::MAX_LEASE_DURATION.get();
     match value {
-        None => crate::settings::default_lease_seconds(),
+        None => crate::pg::settings::default_lease_seconds(),
         Some(v) if (1..=maximum).contains(&v) => v,
         Some(_) => invalid(&format!(
             "lease_seconds must be between 1 and {maximum} (durable_jobs.max_lease_duration)"

@@ -1,7 +1,7 @@
 //! Metrics: worker counters in shared memory plus job counts per state, under a fixed set of
 //! names. Nothing here ever carries a payload, key, id, role, SQL or error text.
 
-use crate::privilege::as_extension_owner;
+use crate::pg::privilege::as_extension_owner;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

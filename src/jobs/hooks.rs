@@ -2,7 +2,7 @@
 //! utility commands nest, which tells a client's own statement from the queries of cursors,
 //! functions and utility commands (wait_horizon.rs), and wake the waiters after COMMIT PREPARED.
 
-use crate::waiters;
+use crate::jobs::waiters;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::cell::RefCell;
@@ -118,7 +118,7 @@ unsafe extern "C-unwind" fn executor_run(
     count: u64,
     execute_once: bool,
 ) {
-    crate::direct_lease::statement_starts(query_desc);
+    crate::jobs::direct_lease::statement_starts(query_desc);
     let address = stack_address();
     enter(address, Some(query_desc as usize));
     unsafe {
@@ -156,7 +156,7 @@ unsafe extern "C-unwind" fn process_utility(
                 | pg_sys::NodeTag::T_VariableShowStmt
         )
     {
-        crate::direct_lease::withdraw();
+        crate::jobs::direct_lease::withdraw();
     }
     let address = stack_address();
     enter(address, None);

@@ -19,11 +19,11 @@
 //! limited, in the worker's database, from a READ COMMITTED transaction of a session that is no
 //! background worker, with no synchronous standby to wait for; the transaction's first job.
 
-use crate::plans;
-use crate::privilege::{as_extension_owner_found, set_at_this_level};
-use crate::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
-use crate::settings::{self, WORKER_COUNT_LIMIT};
-use crate::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_found, set_at_this_level};
+use crate::worker::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
+use crate::pg::settings::{self, WORKER_COUNT_LIMIT};
+use crate::jobs::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
@@ -320,7 +320,7 @@ pub fn lease_for_next_insert(at_library_version: bool) -> Option<Lease> {
         });
         return Some(Lease {
             worker_id: format!("durable_jobs-worker-{number}"),
-            lease_token: crate::randomness::new_uuid(),
+            lease_token: crate::pg::randomness::new_uuid(),
             lease_seconds,
         });
     }
@@ -337,7 +337,7 @@ pub fn jobs_inserted() {
 /// without workers (no shared memory).
 fn first_enqueue_of_transaction() -> bool {
     withdraw();
-    if !crate::wakeup::preloaded() {
+    if !crate::jobs::wakeup::preloaded() {
         return false;
     }
     // The flag is cleared at the end of the transaction.
@@ -450,7 +450,7 @@ unsafe extern "C-unwind" fn transaction_event(
         XACT_EVENT_COMMIT => {
             hand_over();
             if WAKE_WORKERS_AT_COMMIT.get() {
-                crate::wakeup::wake_workers();
+                crate::jobs::wakeup::wake_workers();
             }
             forget();
         }
@@ -553,7 +553,7 @@ fn hand_over() {
     if sleeper.state.compare_exchange(word(COMMITTING, me), word(PUBLISHING, me), SeqCst, SeqCst).is_err() {
         // The worker stopped waiting for this commit (`Handed::Late`): woken, it gives the job
         // back to the queue now that the commit is done.
-        return crate::wakeup::wake_workers();
+        return crate::jobs::wakeup::wake_workers();
     }
     sleeper.commit_end.store(unsafe { pg_sys::XactLastCommitEnd }, SeqCst);
     if sleeper.state.compare_exchange(word(PUBLISHING, me), HANDED, SeqCst, SeqCst).is_ok() {
@@ -610,7 +610,7 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
     // A cancel (or statement_timeout) arriving now would fail the COMMIT for our sake.
     unsafe { pg_sys::QueryCancelHoldoffCount += 1 };
     // Dropped in this transaction, with its jobs.
-    let Some(installed) = crate::privilege::installed_row() else {
+    let Some(installed) = crate::pg::privilege::installed_row() else {
         unsafe { pg_sys::QueryCancelHoldoffCount -= 1 };
         return;
     };

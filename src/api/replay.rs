@@ -2,13 +2,13 @@
 //! payload its producer supplies again (it was cleared when the job ended), checked against the
 //! fingerprint kept at enqueue. Every replay and cancellation is written to the audit table.
 
-use crate::arguments;
-use crate::enqueue::{check_payload_size, require_intake_enabled};
-use crate::lease;
-use crate::plans;
-use crate::privilege::{as_extension_owner_of, caller};
-use crate::sql_types::{JobStatusRow, JsonbDatum};
-use crate::{waiters, wakeup};
+use crate::jobs::arguments;
+use crate::api::enqueue::{check_payload_size, require_intake_enabled};
+use crate::jobs::lease;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_of, caller};
+use crate::pg::sql_types::{JobStatusRow, JsonbDatum};
+use crate::jobs::{waiters, wakeup};
 use pgrx::prelude::*;
 
 /// Most attempts a job may have, as enqueue allows.
@@ -126,8 +126,8 @@ fn replay_durable_job(
         })
     });
     if row.is_some() {
-        waiters::wake_waiters_at_commit([job_id], crate::waiters::Change::Other);
-        crate::direct_lease::jobs_inserted();
+        waiters::wake_waiters_at_commit([job_id], crate::jobs::waiters::Change::Other);
+        crate::jobs::direct_lease::jobs_inserted();
         wakeup::wake_workers_at_commit();
     }
     SetOfIterator::new(row)

@@ -10,18 +10,22 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
-use crate::direct_lease;
-use crate::execution::{self, ClaimedRow, ClaimedRows, Completion};
-use crate::failure::FailureCode;
-use crate::lease;
-use crate::metrics::{self, Counter, Tally};
-use crate::privilege::{
+
+pub mod execution;
+pub mod runner;
+
+use crate::jobs::direct_lease;
+use execution::{ClaimedRow, ClaimedRows, Completion};
+use crate::jobs::failure::FailureCode;
+use crate::jobs::lease;
+use crate::jobs::metrics::{self, Counter, Tally};
+use crate::pg::privilege::{
     as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Binding,
 };
-use crate::retention;
-use crate::runner::{self, TakenOver, RUNNER_TYPE};
-use crate::settings;
-use crate::wakeup;
+use crate::jobs::retention;
+use runner::{TakenOver, RUNNER_TYPE};
+use crate::pg::settings;
+use crate::jobs::wakeup;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -430,7 +434,7 @@ fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
     let batch = settings::CLAIM_BATCH_SIZE.get();
     let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
     let (extension, jobs, expired) = with_worker_settings(|| {
-        let found = crate::privilege::installed_at_library_version()?;
+        let found = crate::pg::privilege::installed_at_library_version()?;
         if !session_serves_bound_role() {
             BOUND_ROLE_MOVED.set(true);
             return None;
@@ -613,7 +617,7 @@ fn bind_session_to(role: &str, log_as: Option<&str>) {
         return;
     }
     let binding = in_transaction_or_logged("binding the session to its role", || {
-        BackgroundWorker::transaction(|| crate::privilege::bind_session_to_role(role))
+        BackgroundWorker::transaction(|| crate::pg::privilege::bind_session_to_role(role))
     });
     if let (Some(Binding::BoundLoginNotSuperuser), Some(who)) = (binding, log_as) {
         log!(
@@ -627,7 +631,7 @@ fn bind_session_to(role: &str, log_as: Option<&str>) {
 /// Whether this session still runs its bound role's handlers: while the role's name names the
 /// role it was bound to (see `privilege::session_may_serve_named`); in a transaction.
 fn session_serves_bound_role() -> bool {
-    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::privilege::session_may_serve_named))
+    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::pg::privilege::session_may_serve_named))
 }
 
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
@@ -899,5 +903,5 @@ fn prune_finished_jobs() {
 /// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
 /// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
 fn extension_ready() -> bool {
-    with_worker_settings(crate::privilege::installed_at_library_version).is_some()
+    with_worker_settings(crate::pg::privilege::installed_at_library_version).is_some()
 }

@@ -1,0 +1,7 @@
+//! What a user calls: the SQL functions, one module per group.
+
+pub mod enqueue;
+pub mod handlers;
+pub mod queues;
+pub mod replay;
+pub mod status;

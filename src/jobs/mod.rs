@@ -1,0 +1,14 @@
+//! The job model the SQL API and the background share: caller input and failure codes, the
+//! lease statements and fenced transitions, the trust rule, wake-ups and direct leases at
+//! commit, the status waiters, the counters and pruning.
+
+pub mod arguments;
+pub mod direct_lease;
+pub mod failure;
+pub mod hooks;
+pub mod lease;
+pub mod metrics;
+pub mod retention;
+pub mod wait_horizon;
+pub mod waiters;
+pub mod wakeup;
