@@ -416,7 +416,7 @@ fn the_claim_is_an_index_scan_in_claim_order() {
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
         let plan = Spi::explain_with_args(
-            &crate::jobs::lease::with_limit(crate::jobs::lease::CLAIM, 1),
+            &crate::jobs::lease::with_limit(crate::jobs::statements::CLAIM, 1),
             &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into(), lease_tokens(1).into()],
         )
         .unwrap();
@@ -447,7 +447,7 @@ fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
     planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
-    for (name, statement) in [("api", crate::jobs::lease::CLAIM), ("worker", crate::jobs::lease::CLAIM_FOR_WORKER)] {
+    for (name, statement) in [("api", crate::jobs::statements::CLAIM), ("worker", crate::jobs::statements::CLAIM_FOR_WORKER)] {
         for limit in [1, 50] {
             let plan = explain_prepared(
                 "text[], text, float8, bool, text[], uuid[]",
@@ -486,28 +486,28 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         args
     };
     let statements = [
-        ("complete", crate::jobs::lease::COMPLETE, one()),
+        ("complete", crate::jobs::statements::COMPLETE, one()),
         (
             "fail",
-            crate::jobs::lease::FAIL,
+            crate::jobs::statements::FAIL,
             with(
                 one(),
                 vec![true.into(), 1000i32.into(), 3600i32.into(), "target_rejected".into(), "P0001".into()],
             ),
         ),
-        ("extend", crate::jobs::lease::EXTEND, with(one(), vec![60.0f64.into()])),
-        ("renew", crate::jobs::lease::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
-        ("renew skipping held", crate::jobs::lease::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
-        ("renew after a rollback", crate::jobs::lease::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
+        ("extend", crate::jobs::statements::EXTEND, with(one(), vec![60.0f64.into()])),
+        ("renew", crate::jobs::statements::RENEW_BATCH, with(many(), vec![60.0f64.into()])),
+        ("renew skipping held", crate::jobs::statements::RENEW_BATCH_SKIPPING_HELD, with(many(), vec![60.0f64.into()])),
+        ("renew after a rollback", crate::jobs::statements::RENEW_AFTER_ROLLBACK, with(many(), vec![60.0f64.into()])),
         (
             "renew after a rollback within a limit",
-            crate::jobs::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            crate::jobs::statements::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
             with(many(), vec![60.0f64.into()]),
         ),
-        ("held", crate::jobs::lease::HELD_LEASES, many()),
-        ("release", crate::jobs::lease::RELEASE_UNSTARTED, many()),
-        ("complete batch", crate::jobs::lease::COMPLETE_BATCH, many()),
-        ("complete batch skipping held", crate::jobs::lease::COMPLETE_BATCH_SKIPPING_HELD, many()),
+        ("held", crate::jobs::statements::HELD_LEASES, many()),
+        ("release", crate::jobs::statements::RELEASE_UNSTARTED, many()),
+        ("complete batch", crate::jobs::statements::COMPLETE_BATCH, many()),
+        ("complete batch skipping held", crate::jobs::statements::COMPLETE_BATCH_SKIPPING_HELD, many()),
         ("load", crate::worker::execution::LOAD_JOBS, many()),
     ];
     for (name, statement, args) in statements {
@@ -582,19 +582,19 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
     planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let leases = "int8[], uuid[], text";
     let statements = [
-        ("renew", crate::jobs::lease::RENEW_BATCH, ", float8", ", 60"),
-        ("renew skipping held", crate::jobs::lease::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
-        ("renew after a rollback", crate::jobs::lease::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
+        ("renew", crate::jobs::statements::RENEW_BATCH, ", float8", ", 60"),
+        ("renew skipping held", crate::jobs::statements::RENEW_BATCH_SKIPPING_HELD, ", float8", ", 60"),
+        ("renew after a rollback", crate::jobs::statements::RENEW_AFTER_ROLLBACK, ", float8", ", 60"),
         (
             "renew after a rollback within a limit",
-            crate::jobs::lease::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
+            crate::jobs::statements::RENEW_AFTER_ROLLBACK_WITHIN_LIMIT,
             ", float8",
             ", 60",
         ),
-        ("held", crate::jobs::lease::HELD_LEASES, "", ""),
-        ("release", crate::jobs::lease::RELEASE_UNSTARTED, "", ""),
-        ("complete batch", crate::jobs::lease::COMPLETE_BATCH, "", ""),
-        ("complete batch skipping held", crate::jobs::lease::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
+        ("held", crate::jobs::statements::HELD_LEASES, "", ""),
+        ("release", crate::jobs::statements::RELEASE_UNSTARTED, "", ""),
+        ("complete batch", crate::jobs::statements::COMPLETE_BATCH, "", ""),
+        ("complete batch skipping held", crate::jobs::statements::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
         ("load", crate::worker::execution::LOAD_JOBS, "", ""),
     ];
     for (name, statement, more_types, more_args) in statements {
@@ -639,7 +639,7 @@ fn a_claim_is_not_compiled_by_jit() {
     planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
     let plan = explain_prepared(
         "text[], text, float8, bool, text[], uuid[]",
-        &crate::jobs::lease::with_limit(crate::jobs::lease::CLAIM, 50),
+        &crate::jobs::lease::with_limit(crate::jobs::statements::CLAIM, 50),
         &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
         "ANALYZE, ",
     );
@@ -657,9 +657,9 @@ fn the_statements_over_a_batch_are_not_compiled_by_jit() {
     let leases = format!("'{{{job_id}}}', '{{{token}}}', 'w'");
     for (statement, more_types, more_args) in [
         (crate::worker::execution::LOAD_JOBS, "", ""),
-        (crate::jobs::lease::HELD_LEASES, "", ""),
-        (crate::jobs::lease::RENEW_BATCH, ", float8", ", 60"),
-        (crate::jobs::lease::COMPLETE_BATCH, "", ""),
+        (crate::jobs::statements::HELD_LEASES, "", ""),
+        (crate::jobs::statements::RENEW_BATCH, ", float8", ", 60"),
+        (crate::jobs::statements::COMPLETE_BATCH, "", ""),
     ] {
         let plan =
             explain_prepared(&format!("int8[], uuid[], text{more_types}"), statement, &format!("{leases}{more_args}"), "ANALYZE, ");

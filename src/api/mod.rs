@@ -2,6 +2,7 @@
 
 pub mod enqueue;
 pub mod handlers;
+pub mod lease;
 pub mod queues;
 pub mod replay;
 pub mod status;

@@ -1,0 +1,447 @@
+//! The SQL texts of the lease state machine: the claim, the fence every transition out of
+//! `running` passes, renewals, batch completion, release and cancel. One file, a little over 400
+//! lines, so that the fence and the lease columns are written once, as macros the statements are
+//! assembled from at compile time (`concat!`); `jobs::lease` and `api::lease` run them.
+
+/// The lease columns as they are after leaving `running`; shared by every transition. A macro,
+/// so that the statements are assembled at compile time with `concat!`.
+macro_rules! release_lease {
+    () => {
+        "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
+         updated_at = pg_catalog.clock_timestamp()"
+    };
+}
+
+/// A change of state or lease: the job's state_version moves up (schemas from 0.4.0 on).
+macro_rules! new_state_version {
+    () => {
+        "state_version = state_version + 1, "
+    };
+}
+
+/// Matches only the running job whose live lease is exactly ($2, $3). Only a running job holds
+/// a lease token (durable_job_lease_only_while_running), so the token is the state check. Naming
+/// job_state would let the planner take the partial index of running jobs, which it does when
+/// its statistics say no job runs, and read every running job's entries to find this one.
+macro_rules! lease_fence {
+    () => {
+        "job_id = $1 AND lease_token = $3 AND lease_owner = $2 \
+         AND lease_expires_at > pg_catalog.clock_timestamp()"
+    };
+}
+
+// Expired leases with no attempts left end as `lease_expired` instead of being claimed again
+// (up to 100 per call), in the queues $1 names (NULL: every queue). `$expired` adds the status
+// columns' changes where the schema has them.
+macro_rules! expire_exhausted_ctes {
+    ($expired:expr) => {
+        concat!(
+            "
+                exhausted AS (
+                    SELECT job_id FROM durable_jobs.durable_job
+                    WHERE job_state = 'running'
+                      AND lease_expires_at <= pg_catalog.clock_timestamp()
+                      AND attempt_count >= max_attempts
+                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+                    ORDER BY lease_expires_at
+                    LIMIT 100
+                    FOR UPDATE SKIP LOCKED),
+                expired AS (
+                    UPDATE durable_jobs.durable_job x
+                    SET job_state = 'failed', last_failure_code = 'lease_expired',
+                        finished_at = pg_catalog.clock_timestamp(), ",
+            $expired,
+            release_lease!(),
+            "
+                    FROM exhausted WHERE x.job_id = exhausted.job_id
+                    RETURNING x.job_id)"
+        )
+    };
+}
+
+// The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
+// the transaction's start: the worker claims ahead at the end of a transaction that ran a
+// batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
+// columns after the eight every claim returns. The lease tokens come in $6, one per job the
+// claim may take (`randomness`), handed out in claim order.
+macro_rules! claim_ctes {
+    ($kind_filter:expr, $claimed:expr, $returning:expr) => {
+        concat!(
+            "
+                -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
+                -- the claim an index scan; a limited queue with room left is checked under its lock.
+                closed AS MATERIALIZED (
+                    SELECT q.queue_name FROM durable_jobs.durable_job_queue q
+                    WHERE q.paused
+                       OR (q.concurrency_limit IS NOT NULL
+                           AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
+                candidate AS (
+                    SELECT job_id FROM durable_jobs.durable_job
+                    WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
+                           OR (job_state = 'running'
+                               AND lease_expires_at <= pg_catalog.clock_timestamp()
+                               AND attempt_count < max_attempts))
+                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+                      AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
+                      AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
+                                        AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
+                      ",
+            $kind_filter,
+            "
+                    ORDER BY priority DESC, run_after, job_id
+                    LIMIT {limit}
+                    FOR UPDATE OF durable_job SKIP LOCKED),
+                numbered AS (SELECT job_id, pg_catalog.row_number() OVER () AS n FROM candidate),
+                claimed AS (
+                UPDATE durable_jobs.durable_job j
+                SET job_state = 'running', ",
+            $claimed,
+            "
+                    lease_owner = $2,
+                    lease_token = ($6::pg_catalog.uuid[])[numbered.n],
+                    lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3),
+                    attempt_count = j.attempt_count + 1,
+                    updated_at = pg_catalog.clock_timestamp()
+                FROM numbered WHERE j.job_id = numbered.job_id
+                RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
+                          j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text",
+            $returning,
+            ")"
+        )
+    };
+}
+
+// The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
+// two parts touch disjoint rows (attempts used up or not).
+macro_rules! claim_statement {
+    ($kind_filter:expr, $claimed:expr, $expired:expr) => {
+        concat!(
+            "WITH",
+            expire_exhausted_ctes!($expired),
+            ",",
+            claim_ctes!($kind_filter, $claimed, ""),
+            "
+                -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
+                SELECT * FROM claimed
+                UNION ALL
+                SELECT job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired"
+        )
+    };
+}
+
+// A job that ends as `lease_expired` has no handler error behind it.
+macro_rules! expiry_columns {
+    () => {
+        concat!(new_state_version!(), "last_failure_sqlstate = NULL, ")
+    };
+}
+
+// The SQL API's claim ($4 false) takes the kinds in $5, NULL meaning any kind.
+macro_rules! any_kind {
+    () => {
+        "AND NOT $4 AND ($5::pg_catalog.text[] IS NULL OR job_kind = ANY ($5))"
+    };
+}
+
+pub(crate) const CLAIM: &str = claim_statement!(any_kind!(), new_state_version!(), expiry_columns!());
+
+// The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
+// durable_jobs UPDATE.
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "");
+
+// The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
+// serves: a superuser's registration serves every role, another role's only the roles that have
+// its privileges, so nobody can take over the jobs of a kind others serve. Without the expiry of
+// exhausted leases, which the worker runs apart, once a second (`EXPIRE_EXHAUSTED`): starting
+// that UPDATE's executor on every claim was a tenth of the path from enqueue to handler.
+pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
+    "WITH",
+    claim_ctes!(
+        concat!(
+            "AND $4 AND EXISTS (
+         SELECT 1 FROM durable_jobs.durable_job_handler h
+         WHERE h.job_kind = durable_job.job_kind AND ",
+            crate::registration_serves!("h.registered_by", "durable_job.enqueued_by"),
+            ")"
+        ),
+        new_state_version!(),
+        // The kind's handler and who registered it, so that a batch run right after this claim
+        // commits need not read its jobs again (`execution::ClaimedRow`).
+        ",
+                          (SELECT h.handler FROM durable_jobs.durable_job_handler h
+                           WHERE h.job_kind = j.job_kind),
+                          (SELECT h.registered_by::pg_catalog.text FROM durable_jobs.durable_job_handler h
+                           WHERE h.job_kind = j.job_kind)"
+    ),
+    "
+    SELECT * FROM claimed"
+);
+
+/// The worker's expiry of exhausted leases in every queue ($1 NULL); returns the expired jobs.
+pub(crate) const EXPIRE_EXHAUSTED: &str =
+    concat!("WITH", expire_exhausted_ctes!(expiry_columns!()), " SELECT job_id FROM expired");
+
+macro_rules! complete_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE ",
+            lease_fence!(),
+            "
+            RETURNING job_id"
+        )
+    };
+}
+
+pub(crate) const COMPLETE: &str = complete_statement!(new_state_version!());
+pub(crate) const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("");
+
+// $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code; with
+// the status columns, $8: the SQLSTATE of the handler error (NULL from external workers).
+// Backoff: base * 2^(attempt - 1), capped, times a jitter factor in [0.5, 1).
+macro_rules! fail_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = CASE WHEN $4 AND attempt_count < max_attempts THEN 'available' ELSE 'failed' END,
+                run_after = CASE WHEN $4 AND attempt_count < max_attempts
+                    THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs =>
+                         LEAST($6::float8, $5::float8 / 1000 * 2.0::float8 ^ (attempt_count - 1))
+                         * (0.5 + 0.5 * pg_catalog.random()))
+                    ELSE run_after END,
+                finished_at = CASE WHEN $4 AND attempt_count < max_attempts THEN NULL
+                                   ELSE pg_catalog.clock_timestamp() END,
+                last_failure_code = $7,
+                ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE ",
+            lease_fence!(),
+            "
+            RETURNING job_state"
+        )
+    };
+}
+
+pub(crate) const FAIL: &str = fail_statement!(concat!(new_state_version!(), "last_failure_sqlstate = $8, "));
+pub(crate) const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("");
+
+pub(crate) const EXTEND: &str = concat!(
+    "
+    UPDATE durable_jobs.durable_job
+    SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+        updated_at = pg_catalog.clock_timestamp()
+    WHERE ",
+    lease_fence!(),
+    "
+    RETURNING lease_expires_at"
+);
+
+// The leases ($1 job ids, $2 tokens) that `lease_owner` $3 still holds, locked for the
+// background worker's statement that follows (`WITH live AS (...) UPDATE ... FROM live`), as
+// that UPDATE would lock them (a foreign key's check of a job does not count as holding it).
+// `$live`: the condition that the lease has not expired, or nothing (see RENEW_AFTER_ROLLBACK).
+// `$lock`: how a row another session holds is met: waited for (a claim of another worker holds
+// it for a moment), or skipped, so that only that job (its enqueuer cancelling it, say) is left
+// to its lease.
+macro_rules! leases_locked {
+    ($live:literal, $lock:literal) => {
+        concat!(
+            "
+            WITH live AS (
+                SELECT x.job_id FROM durable_jobs.durable_job x
+                JOIN ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+                     AS c(job_id, lease_token) ON x.job_id = c.job_id AND x.lease_token = c.lease_token
+                WHERE x.job_id = ANY ($1) AND x.lease_owner = $3",
+            $live,
+            "
+                FOR NO KEY UPDATE OF x",
+            $lock,
+            ")"
+        )
+    };
+}
+
+// `leases_locked`, of live leases only.
+macro_rules! live_leases_locked {
+    ($lock:literal) => {
+        leases_locked!(
+            "
+                  AND x.lease_expires_at > pg_catalog.clock_timestamp()",
+            $lock
+        )
+    };
+}
+
+// `leases_locked`: live, or lapsed in a queue without a concurrency limit (reviving a lapsed
+// lease starts a job again, which a limit must allow: `held_lease_within_limit_locked`).
+macro_rules! held_leases_locked {
+    ($lock:literal) => {
+        leases_locked!(
+            "
+                  AND (x.lease_expires_at > pg_catalog.clock_timestamp()
+                       OR NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL))",
+            $lock
+        )
+    };
+}
+
+// `leases_locked`, for one lapsed lease of a queue with a concurrency limit, while the queue has
+// room for one more running job, under the queue's lock as a claim asks it (one job per
+// statement: a statement does not see its own revivals).
+macro_rules! held_lease_within_limit_locked {
+    ($lock:literal) => {
+        leases_locked!(
+            "
+                  AND x.lease_expires_at <= pg_catalog.clock_timestamp()
+                  AND EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                              WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL)
+                  AND durable_jobs.durable_job_queue_has_capacity(x.queue_name)",
+            $lock
+        )
+    };
+}
+
+// The background worker's renewal of the leases of a batch's jobs not yet run, so that each
+// handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
+// EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
+// microseconds. `$leases`: live_leases_locked or held_leases_locked.
+macro_rules! renew_statement {
+    ($leases:ident, $lock:literal) => {
+        concat!(
+            $leases!($lock),
+            "
+            UPDATE durable_jobs.durable_job j
+            SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+                updated_at = pg_catalog.clock_timestamp()
+            FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
+            RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8"
+        )
+    };
+}
+pub(crate) const RENEW_BATCH: &str = renew_statement!(live_leases_locked, "");
+pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(live_leases_locked, " SKIP LOCKED");
+// After a run transaction failed: its renewals went with it, and the leases the claim committed
+// may have lapsed meanwhile (a batch runs past them on renewals of its own). A lapsed lease still
+// under the worker's owner and token was taken by no one (a reclaim, a cancel, an expiry and a
+// completion all change or clear the token), so it is the worker's to renew, as if in time.
+pub(crate) const RENEW_AFTER_ROLLBACK: &str = renew_statement!(held_leases_locked, " SKIP LOCKED");
+pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str =
+    renew_statement!(held_lease_within_limit_locked, " SKIP LOCKED");
+
+// The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
+// runs it skipping held rows first, then for each held row alone, under its short wait for it
+// (see `RowWaits` in execution.rs).
+macro_rules! complete_batch_statement {
+    ($lock:literal) => {
+        concat!(
+            live_leases_locked!($lock),
+            "
+            UPDATE durable_jobs.durable_job j
+            SET job_state = 'succeeded', payload = NULL, finished_at = pg_catalog.clock_timestamp(), ",
+            new_state_version!(),
+            release_lease!(),
+            "
+            FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
+            RETURNING j.job_id, j.state_version"
+        )
+    };
+}
+pub(crate) const COMPLETE_BATCH: &str = complete_batch_statement!("");
+pub(crate) const COMPLETE_BATCH_SKIPPING_HELD: &str = complete_batch_statement!(" SKIP LOCKED");
+
+// Which of the leases ($1 job ids, $2 tokens) `lease_owner` $3 still holds, in the order given:
+// what a role runner takes over from the worker that claimed them.
+pub(crate) const HELD_LEASES: &str = "
+    SELECT j.job_id, j.lease_token
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.uuid[]))
+         WITH ORDINALITY AS c(job_id, lease_token, position)
+    JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
+    WHERE j.job_id = ANY ($1) AND j.lease_owner = $3 AND j.lease_expires_at > pg_catalog.clock_timestamp()
+    ORDER BY c.position";
+
+// Gives claimed jobs that never started back, with their attempt: available again in a second.
+// Only the background worker runs it, which waits for a schema of its own version. A row another
+// session holds (its enqueuer cancelling it, say) is skipped, left to its lease: the statement
+// waits only for a lock on the whole table.
+pub(crate) const RELEASE_UNSTARTED: &str = concat!(
+    live_leases_locked!(" SKIP LOCKED"),
+    "
+    UPDATE durable_jobs.durable_job j
+    SET job_state = 'available', attempt_count = j.attempt_count - 1, ",
+    new_state_version!(),
+    "
+        run_after = pg_catalog.clock_timestamp() + interval '1 second', ",
+    release_lease!(),
+    "
+    FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)"
+);
+
+// $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
+// enqueued it; members of that role (with its privileges) may act on it too.
+macro_rules! caller_may_act_on_job {
+    () => {
+        crate::has_privileges_of_role!("$3", "$2", "j.enqueued_by")
+    };
+}
+
+// Locks a job that can be cancelled, if the caller may: a caller that may not act on a job never
+// locks (or waits for) its row, since a row someone holds makes the worker's batch wait, then
+// run again.
+pub(crate) const LOCK_FOR_CANCEL: &str = concat!(
+    "
+    SELECT j.job_state, j.last_failure_code
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1 AND j.job_state IN ('available', 'running') AND ",
+    caller_may_act_on_job!(),
+    "
+    FOR UPDATE OF j"
+);
+
+/// Why a job was not locked for a change: its state and whether the caller may act on it (no
+/// row: there is no such job). $1 the job, $2 the caller, $3 whether it is a superuser.
+pub(crate) const STATE_AND_PERMISSION: &str = concat!(
+    "
+    SELECT j.job_state, ",
+    caller_may_act_on_job!(),
+    "
+    FROM durable_jobs.durable_job j
+    WHERE j.job_id = $1"
+);
+
+macro_rules! cancel_statement {
+    ($status_columns:expr) => {
+        concat!(
+            "
+            UPDATE durable_jobs.durable_job
+            SET job_state = 'cancelled', finished_at = pg_catalog.clock_timestamp(), ",
+            $status_columns,
+            release_lease!(),
+            "
+            WHERE job_id = $1 AND job_state IN ('available', 'running')
+            RETURNING job_id"
+        )
+    };
+}
+
+// The cancellation and its audit row in one statement; $2: the caller, $3, $4: the job's state
+// and last failure code before.
+pub(crate) const CANCEL: &str = concat!(
+    "WITH cancelled AS (",
+    cancel_statement!(new_state_version!()),
+    ")
+    INSERT INTO durable_jobs.durable_job_audit
+        (job_id, action, acted_by, previous_state, previous_failure_code)
+    SELECT job_id, 'cancel', $2::pg_catalog.name, $3, $4 FROM cancelled
+    RETURNING job_id"
+);
+pub(crate) const CANCEL_ON_OLD_SCHEMA: &str = cancel_statement!("");
