@@ -25,9 +25,9 @@ fn fail_at_next_release(event: pg_sys::SubXactEvent::Type) {
     FAIL_AT_EVENT.store(event, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn write_a_row_in_a_job_subtransaction() -> Result<bool, crate::worker::execution::CaughtFailure> {
+fn write_a_row_in_a_job_subtransaction() -> Result<bool, crate::worker::sandbox::CaughtFailure> {
     Spi::run("CREATE TEMP TABLE written (n int)").unwrap();
-    crate::worker::execution::in_subtransaction(|| {
+    crate::worker::sandbox::in_subtransaction(|| {
         Spi::run("INSERT INTO written VALUES (1)").unwrap();
         true
     })

@@ -240,8 +240,8 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
 /// subtransaction: "ran", or the SQLSTATE of the error that stopped it.
 fn call_handler_in_subtransaction(handler: crate::api::handlers::RunnableHandler) -> String {
     let payload = Spi::get_one::<crate::pg::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
-    match crate::worker::execution::in_subtransaction(|| {
-        crate::worker::execution::call_handler(handler, payload);
+    match crate::worker::sandbox::in_subtransaction(|| {
+        crate::worker::sandbox::call_handler(handler, payload);
         true
     }) {
         Ok(_) => "ran".to_string(),
@@ -276,7 +276,7 @@ fn a_registration_made_after_the_claim_runs_only_if_it_serves_the_enqueuer() {
     )
     .unwrap();
     let claimed: Vec<(i64, pgrx::Uuid)> = (0..2).map(|_| claim("w").unwrap()).collect();
-    let load = |job: (i64, pgrx::Uuid)| crate::worker::execution::load_jobs(&[job], "w").remove(&job.0).expect("loaded");
+    let load = |job: (i64, pgrx::Uuid)| crate::worker::load::load_jobs(&[job], "w").remove(&job.0).expect("loaded");
     let admins = one::<pg_sys::Oid>("SELECT 'public.dj_rc_admins(jsonb)'::regprocedure::oid");
     let first = load(claimed[0]);
     assert_eq!(first.handler.map(|handler| handler.routine), Some(admins), "the registration that served the claim");
@@ -368,7 +368,7 @@ fn a_caught_error_yields_its_sqlstate() {
     })
     .catch_others(|error| match error {
         pg_sys::panic::CaughtError::PostgresError(report) => {
-            crate::worker::execution::sqlstate_text(report.sql_error_code() as i32)
+            crate::worker::sandbox::sqlstate_text(report.sql_error_code() as i32)
         }
         _ => "not a postgres error".into(),
     })

@@ -508,7 +508,7 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
         ("release", crate::jobs::statements::RELEASE_UNSTARTED, many()),
         ("complete batch", crate::jobs::statements::COMPLETE_BATCH, many()),
         ("complete batch skipping held", crate::jobs::statements::COMPLETE_BATCH_SKIPPING_HELD, many()),
-        ("load", crate::worker::execution::LOAD_JOBS, many()),
+        ("load", crate::worker::load::LOAD_JOBS, many()),
     ];
     for (name, statement, args) in statements {
         let plan = Spi::explain_with_args(statement, &args).unwrap().0.to_string();
@@ -595,7 +595,7 @@ fn assert_generic_batch_plans_find_jobs_by_primary_key() {
         ("release", crate::jobs::statements::RELEASE_UNSTARTED, "", ""),
         ("complete batch", crate::jobs::statements::COMPLETE_BATCH, "", ""),
         ("complete batch skipping held", crate::jobs::statements::COMPLETE_BATCH_SKIPPING_HELD, "", ""),
-        ("load", crate::worker::execution::LOAD_JOBS, "", ""),
+        ("load", crate::worker::load::LOAD_JOBS, "", ""),
     ];
     for (name, statement, more_types, more_args) in statements {
         let plan = explain_prepared(
@@ -656,7 +656,7 @@ fn the_statements_over_a_batch_are_not_compiled_by_jit() {
     planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let leases = format!("'{{{job_id}}}', '{{{token}}}', 'w'");
     for (statement, more_types, more_args) in [
-        (crate::worker::execution::LOAD_JOBS, "", ""),
+        (crate::worker::load::LOAD_JOBS, "", ""),
         (crate::jobs::statements::HELD_LEASES, "", ""),
         (crate::jobs::statements::RENEW_BATCH, ", float8", ", 60"),
         (crate::jobs::statements::COMPLETE_BATCH, "", ""),
@@ -689,7 +689,7 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     // the five jobs were read by a sequential scan and the test failed.
     planner_settings(crate::pg::plans::BATCH_PLANNER_SETTINGS);
     let plan = Spi::get_one_with_args::<pgrx::Json>(
-        &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::worker::execution::LOAD_JOBS),
+        &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::worker::load::LOAD_JOBS),
         &[ids.into(), tokens.into(), "w".into()],
     )
     .unwrap()
@@ -706,7 +706,7 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     .unwrap();
     assert_eq!(other_scans.as_deref(), Some("Index Scan durable_job_handler_pkey"), "{plan}");
     crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.set(0));
-    let loaded = crate::worker::execution::load_jobs(&leases, "w");
+    let loaded = crate::worker::load::load_jobs(&leases, "w");
     assert_eq!(crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");
     let runnable: Vec<Option<bool>> =
         leases.iter().map(|(id, _)| loaded.get(id).map(|job| job.handler.is_some())).collect();

@@ -39,7 +39,6 @@ impl LeaseHolder {
     }
 }
 
-
 /// What the SQL API's claim returns for one job (pgrx wants the columns spelled out in each
 /// signature).
 type ClaimRow = (i64, Uuid, TimestampWithTimeZone, String, JsonbDatum, i32, i32);

@@ -2,13 +2,13 @@
 //! payload its producer supplies again (it was cleared when the job ended), checked against the
 //! fingerprint kept at enqueue. Every replay and cancellation is written to the audit table.
 
-use crate::jobs::arguments;
 use crate::api::enqueue::{check_payload_size, require_intake_enabled};
+use crate::jobs::arguments;
 use crate::jobs::lease;
+use crate::jobs::{waiters, wakeup};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_of, caller};
 use crate::pg::sql_types::{JobStatusRow, JsonbDatum};
-use crate::jobs::{waiters, wakeup};
 use pgrx::prelude::*;
 
 /// Most attempts a job may have, as enqueue allows.

@@ -5,11 +5,11 @@
 //! status row ever carries a payload or a lease token.
 
 use crate::jobs::arguments;
+use crate::jobs::wait_horizon;
+use crate::jobs::waiters::WaiterSlot;
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_of, caller, Caller};
 use crate::pg::sql_types::{JobListingRow, JobStatusRow};
-use crate::jobs::wait_horizon;
-use crate::jobs::waiters::WaiterSlot;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 

@@ -19,11 +19,11 @@
 //! limited, in the worker's database, from a READ COMMITTED transaction of a session that is no
 //! background worker, with no synchronous standby to wait for; the transaction's first job.
 
+use crate::jobs::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_found, set_at_this_level};
-use crate::worker::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
 use crate::pg::settings::{self, WORKER_COUNT_LIMIT};
-use crate::jobs::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
+use crate::worker::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};

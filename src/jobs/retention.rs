@@ -47,7 +47,10 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
             .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))
             .collect();
         // Their waiters learn at the commit that they are gone.
-        crate::jobs::waiters::wake_waiters_at_commit(deleted.iter().copied(), crate::jobs::waiters::Change::Terminal);
+        crate::jobs::waiters::wake_waiters_at_commit(
+            deleted.iter().copied(),
+            crate::jobs::waiters::Change::Terminal,
+        );
         deleted.len() as i64
     })
 }

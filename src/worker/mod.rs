@@ -10,26 +10,28 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
-
 pub mod execution;
+pub mod load;
 pub mod runner;
+pub mod sandbox;
 
 use crate::jobs::direct_lease;
-use execution::{ClaimedRow, ClaimedRows, Completion};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease;
 use crate::jobs::metrics::{self, Counter, Tally};
+use crate::jobs::retention;
+use crate::jobs::wakeup;
 use crate::pg::privilege::{
     as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Binding,
 };
-use crate::jobs::retention;
-use runner::{TakenOver, RUNNER_TYPE};
 use crate::pg::settings;
-use crate::jobs::wakeup;
+use execution::Completion;
+use load::{ClaimedRow, ClaimedRows};
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
+use runner::{TakenOver, RUNNER_TYPE};
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
 
@@ -359,7 +361,7 @@ fn set_session_option(name: &std::ffi::CStr, value: &str) {
 fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
         .catch_others(|error| {
-            execution::disarm_statement_timeout();
+            sandbox::disarm_statement_timeout();
             unsafe {
                 pg_sys::AbortOutOfAnyTransaction();
                 // What the abort does not when the error came between transactions (postgres.c's
@@ -369,7 +371,7 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
                 pg_sys::ConditionVariableCancelSleep();
                 pg_sys::QueryCancelPending = 0;
             }
-            Err(execution::sqlstate_of(&error))
+            Err(sandbox::sqlstate_of(&error))
         })
         .execute()
 }
@@ -480,7 +482,7 @@ fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
     if !settings::WORKER_ENABLED.get() || unsafe { pg_sys::ProcDiePending } != 0 {
         return claimed;
     }
-    if let Err(error) = execution::in_subtransaction(|| {
+    if let Err(error) = sandbox::in_subtransaction(|| {
         // The version is asked again here: under a steady load no poll claims on its own, and a
         // schema of another version is left alone (see `extension_ready`).
         if let Some((ahead, _)) = claim_batch(worker_id, lease_seconds) {
@@ -631,7 +633,8 @@ fn bind_session_to(role: &str, log_as: Option<&str>) {
 /// Whether this session still runs its bound role's handlers: while the role's name names the
 /// role it was bound to (see `privilege::session_may_serve_named`); in a transaction.
 fn session_serves_bound_role() -> bool {
-    BOUND_ROLE.with(|bound| bound.borrow().as_deref().is_none_or(crate::pg::privilege::session_may_serve_named))
+    BOUND_ROLE
+        .with(|bound| bound.borrow().as_deref().is_none_or(crate::pg::privilege::session_may_serve_named))
 }
 
 /// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a

@@ -20,8 +20,8 @@
 //! makes it the session's user (`session_user`, where the worker logs in as a superuser), so that
 //! no handler sees the worker's login role there.
 
-use crate::pg::settings::WORKER_COUNT_LIMIT;
 use crate::jobs::wakeup::{my_procno_plus_one, past_cancels, set_latch_of, sleep_on_latch};
+use crate::pg::settings::WORKER_COUNT_LIMIT;
 use pgrx::bgworkers::{
     BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
 };
