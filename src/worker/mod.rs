@@ -10,32 +10,36 @@
 //! No error stops the worker: a failed transaction is rolled back, logged and, for a batch,
 //! run again job by job.
 
+pub mod batch;
+pub mod claim;
 pub mod execution;
 pub mod load;
 pub mod runner;
 pub mod sandbox;
+pub mod session;
 
 use crate::jobs::direct_lease;
-use crate::jobs::failure::FailureCode;
 use crate::jobs::lease;
 use crate::jobs::metrics::{self, Counter, Tally};
 use crate::jobs::retention;
 use crate::jobs::wakeup;
-use crate::pg::privilege::{
-    as_extension_owner_found, as_extension_owner_of, set_for_this_transaction, with_worker_settings, Binding,
-};
+use crate::pg::privilege::{as_extension_owner_of, with_worker_settings};
 use crate::pg::settings;
-use execution::Completion;
-use load::{ClaimedRow, ClaimedRows};
-use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
+use batch::{batches_per_enqueuer, renew_after_rollback, run_batch, run_batch_in_runner};
+use claim::{
+    claim_in_own_transaction, give_back, give_back_claimed_ahead, write_wal_up_to, Claimed, CLAIMED_AHEAD,
+    LATE_HANDOVERS,
+};
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
 use runner::{TakenOver, RUNNER_TYPE};
-use std::cell::{Cell, RefCell};
+use session::{
+    bind_session_to, bound_role, extension_ready, in_transaction_or_logged, report_statistics,
+    session_serves_bound_role, start_session, BOUND_ROLE_MOVED, WORKER_TYPE,
+};
 use std::time::{Duration, Instant};
-
-pub const WORKER_TYPE: &str = "durable_jobs worker";
 
 /// Registers `durable_jobs.worker_count` workers; called from _PG_init while preloading.
 pub fn register_workers() {
@@ -50,12 +54,6 @@ pub fn register_workers() {
             .set_restart_time(Some(Duration::from_secs(5)))
             .load();
     }
-}
-
-unsafe extern "C-unwind" {
-    // PostgreSQL's own SIGTERM handler: it makes the next CHECK_FOR_INTERRUPTS exit, also in
-    // the middle of a handler's statement, where pgrx's flag-only handler would wait for it.
-    fn die(signal: std::ffi::c_int);
 }
 
 #[pg_guard]
@@ -240,17 +238,6 @@ fn warn_if_runners_may_find_no_slot() {
     }
 }
 
-/// Signal handlers, the connection, and the session settings of a worker or a role runner.
-fn start_session(application_name: &str) {
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    unsafe { pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die)) };
-    BackgroundWorker::connect_worker_to_spi(Some(&settings::database()), settings::worker_role().as_deref());
-    set_session_option(c"application_name", application_name);
-    // The fences rely on READ COMMITTED's re-check of a row updated concurrently; under a
-    // configured REPEATABLE READ default they would raise serialization failures instead.
-    set_session_option(c"default_transaction_isolation", "read committed");
-}
-
 /// A role runner of worker `number`: runs the batches of one role the worker hands over, in this
 /// session of its own, until it is retired or idle (see `runner`).
 #[pg_guard]
@@ -304,263 +291,6 @@ pub extern "C-unwind" fn durable_jobs_role_runner_main(argument: pg_sys::Datum) 
     });
 }
 
-thread_local! {
-    /// When the statistics left pending by the last report are to be flushed, waiting for the
-    /// shared entries' locks if need be.
-    static STATISTICS_DUE: Cell<Option<Instant>> = const { Cell::new(None) };
-}
-
-/// How long counts may stay pending: a backend's idle loop leaves them up to ten seconds
-/// (PGSTAT_IDLE_INTERVAL), as long as a role runner waits for work before it ends.
-const STATISTICS_PENDING_AT_MOST: Duration = Duration::from_secs(1);
-
-/// Hands this session's table and WAL counts to the cumulative statistics, which autovacuum
-/// decides from: PostgreSQL reports a background worker's only when it exits. As a backend's
-/// idle loop does (postgres.c): at most once a second and without waiting for a lock; what that
-/// leaves pending is flushed, waiting, once due. Returns when that is, for the wait.
-/// Between transactions only; an error is logged, not fatal to the worker. (PostgreSQL's
-/// unforced report times itself by the last transaction's end, which stands still between
-/// transactions: without the forced one, a runner waiting for work would never flush.)
-fn report_statistics() -> Option<Instant> {
-    if unsafe { pg_sys::IsTransactionOrTransactionBlock() } {
-        return None;
-    }
-    let now = Instant::now();
-    let force = STATISTICS_DUE.get().is_some_and(|due| now >= due);
-    let pending =
-        in_transaction_or_logged("reporting statistics", || unsafe { pg_sys::pgstat_report_stat(force) })
-            .is_some_and(|pending_ms| pending_ms > 0);
-    let due = match pending {
-        false => None,
-        true if force => Some(now + STATISTICS_PENDING_AT_MOST),
-        true => STATISTICS_DUE.get().or(Some(now + STATISTICS_PENDING_AT_MOST)),
-    };
-    STATISTICS_DUE.set(due);
-    due
-}
-
-/// Sets a setting for the worker's whole session, above what postgresql.conf, the database or
-/// the role set.
-fn set_session_option(name: &std::ffi::CStr, value: &str) {
-    let value = std::ffi::CString::new(value).expect("no NUL");
-    unsafe {
-        pg_sys::SetConfigOption(
-            name.as_ptr(),
-            value.as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        );
-    }
-}
-
-/// Runs `f` and returns its result; when `f` raises an error (which aborts the transaction it
-/// ran in, the commit included), rolls back, and returns the error's SQLSTATE. Called between
-/// transactions only: it rolls back every level, also subtransactions an error left open (one
-/// raised while a job's subtransaction was released), which AbortCurrentTransaction would
-/// leave aborted with the transaction around them, failing every later poll.
-fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
-    PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
-        .catch_others(|error| {
-            sandbox::disarm_statement_timeout();
-            unsafe {
-                pg_sys::AbortOutOfAnyTransaction();
-                // What the abort does not when the error came between transactions (postgres.c's
-                // recovery does the same); a cancel that came during it would cancel the next
-                // statement, not what it was meant for.
-                pg_sys::LWLockReleaseAll();
-                pg_sys::ConditionVariableCancelSleep();
-                pg_sys::QueryCancelPending = 0;
-            }
-            Err(sandbox::sqlstate_of(&error))
-        })
-        .execute()
-}
-
-/// `in_transaction`, logging an error (its SQLSTATE, never its text, which may quote data).
-fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
-    logged(what, in_transaction(f))
-}
-
-/// The result of `what`, or None once its error (the SQLSTATE, as `in_transaction` returns it)
-/// is logged.
-fn logged<R>(what: &str, outcome: Result<R, String>) -> Option<R> {
-    match outcome {
-        Ok(result) => Some(result),
-        Err(sqlstate) => {
-            log!("{WORKER_TYPE}: {what} failed with SQLSTATE {sqlstate}; rolled back");
-            None
-        }
-    }
-}
-
-thread_local! {
-    /// The role whose handlers this session runs: that of the first batch a worker ran, of the
-    /// first hand-over a runner took.
-    static BOUND_ROLE: RefCell<Option<String>> = const { RefCell::new(None) };
-    /// Whether this session was bound to `BOUND_ROLE`'s oid (`bind_session_to`): false while
-    /// that role did not exist.
-    static SESSION_BOUND: Cell<bool> = const { Cell::new(false) };
-    /// Set by a claim that found the bound role's name naming another role now (renamed, or
-    /// dropped and created again): the worker ends, to start again with a new session.
-    static BOUND_ROLE_MOVED: Cell<bool> = const { Cell::new(false) };
-    /// Jobs claimed at the end of the last batch's transaction and committed with it, to run at
-    /// the next poll (see `claim_ahead`).
-    static CLAIMED_AHEAD: RefCell<Claimed> = RefCell::new(Claimed::default());
-    /// Jobs leased to this worker whose enqueues' commits outlasted its wait for the hand-over,
-    /// with their transactions (see `take_handed_job`).
-    static LATE_HANDOVERS: RefCell<Vec<((i64, Uuid), pg_sys::TransactionId)>> = const { RefCell::new(Vec::new()) };
-    /// When this worker last ended exhausted leases (see `claim_batch`).
-    static LAST_EXPIRY: Cell<Option<Instant>> = const { Cell::new(None) };
-}
-
-/// The claim of a poll: (enqueuer, (job, lease token)) in claim order, and what the claim
-/// returned of the jobs of the batch that runs first, to run them without reading them again
-/// (`execution::ClaimedRow`; see `claim_batch`).
-#[derive(Default)]
-struct Claimed {
-    jobs: Vec<(String, (i64, Uuid))>,
-    rows: ClaimedRows,
-    /// When the claim started: its leases are no younger.
-    claimed_at: Option<Instant>,
-}
-
-/// How often a worker ends exhausted leases as `lease_expired` (`lease::expire_exhausted_leases`).
-const EXPIRE_EVERY: Duration = Duration::from_secs(1);
-
-/// Claims up to a batch of jobs for this worker in the current transaction, after ending
-/// exhausted leases when that is due; also tells whether it ended any. None, claiming nothing,
-/// unless the extension is at this library's version (`extension_ready`'s check, whose read of
-/// the extension's row the claim then uses: one read, under one change of settings).
-fn claim_batch(worker_id: &str, lease_seconds: i32) -> Option<(Claimed, bool)> {
-    let claimed_at = Some(Instant::now());
-    let batch = settings::CLAIM_BATCH_SIZE.get();
-    let expiry_due = LAST_EXPIRY.with(|last| last.get().is_none_or(|at| at.elapsed() >= EXPIRE_EVERY));
-    let (extension, jobs, expired) = with_worker_settings(|| {
-        let found = crate::pg::privilege::installed_at_library_version()?;
-        if !session_serves_bound_role() {
-            BOUND_ROLE_MOVED.set(true);
-            return None;
-        }
-        let expired = if expiry_due { lease::expire_exhausted_leases() } else { 0 };
-        // Due again at the next poll while a call finds a full batch of them (after a crash);
-        // otherwise counted from here even if the transaction fails: retried a second later.
-        if expiry_due && expired < lease::EXPIRE_BATCH {
-            LAST_EXPIRY.with(|last| last.set(Some(Instant::now())));
-        }
-        Some((
-            found.extension,
-            as_extension_owner_found(&found, |installed| {
-                lease::claim_jobs(installed, worker_id, None, None, lease_seconds, true, batch)
-            }),
-            expired,
-        ))
-    })?;
-    let order = jobs.iter().map(|job| (job.enqueued_by.clone(), (job.job_id, job.lease_token))).collect();
-    // Rows are kept for the batch that runs first only, and only when it runs in this session:
-    // the first enqueuer's jobs. A batch after it starts once others ran, when the expiry the
-    // claim returned may be out of date (renewals), and a runner reads its jobs itself.
-    let runs_first_here = jobs
-        .first()
-        .map(|job| job.enqueued_by.clone())
-        .filter(|role| BOUND_ROLE.with(|bound| bound.borrow().as_ref().is_none_or(|bound| bound == role)));
-    let rows = jobs
-        .into_iter()
-        .filter(|job| runs_first_here.as_ref() == Some(&job.enqueued_by))
-        .map(ClaimedRow::of)
-        .collect();
-    Some((Claimed { jobs: order, rows: ClaimedRows { extension, rows }, claimed_at }, expired > 0))
-}
-
-/// Claims the next batch in the transaction of the batch that ran last, when the queue had a
-/// full batch for the last claim: its leases commit with that batch's outcome, so a busy worker
-/// pays one durable commit per batch instead of two, and the claim still commits before any of
-/// its handlers starts. In a subtransaction: a claim that fails costs the batch nothing.
-fn claim_ahead(worker_id: &str, lease_seconds: i32) -> Claimed {
-    let mut claimed = Claimed::default();
-    // A shutdown under way: the claim's lock waits and interrupt checks could only cost the
-    // batch before it its commit.
-    if !settings::WORKER_ENABLED.get() || unsafe { pg_sys::ProcDiePending } != 0 {
-        return claimed;
-    }
-    if let Err(error) = sandbox::in_subtransaction(|| {
-        // The version is asked again here: under a steady load no poll claims on its own, and a
-        // schema of another version is left alone (see `extension_ready`).
-        if let Some((ahead, _)) = claim_batch(worker_id, lease_seconds) {
-            claimed = ahead;
-        }
-        true
-    }) {
-        log!(
-            "{WORKER_TYPE}: claiming the next batch ahead failed with SQLSTATE {}; rolled back alone",
-            error.sqlstate()
-        );
-        // Its release can fail after the claim returned (another extension's callback): the
-        // jobs were never ours, and running them from the claim's rows would run others' jobs.
-        return Claimed::default();
-    }
-    claimed
-}
-
-/// A poll's claim, in a transaction of its own that commits without waiting for its WAL to
-/// reach the disk, a flush less between an enqueue and its handler while claims come less than
-/// `wal_writer_delay` apart: the claim's WAL is written to the operating system before any of
-/// its handlers starts (and flushed when `wal_writer_delay` has passed since this worker's last
-/// flush), so a crash of PostgreSQL, a handler that takes its backend down included, keeps the
-/// attempt counted. Only an operating system crash before the WAL writer flushes it (within
-/// three `wal_writer_delay`s) can undo the claim: the job is then available again, the attempt
-/// uncounted, and nothing of the interrupted run committed, since the run's durable commit
-/// flushes the claim's WAL first. A transaction that ended exhausted leases (their waiters are
-/// told at once) commits as configured, as does every claim when synchronous standbys are
-/// configured (a failover must not lose it).
-fn claim_in_own_transaction(worker_id: &str, lease_seconds: i32) -> Option<Claimed> {
-    let claimed = BackgroundWorker::transaction(|| {
-        let (claimed, expired) = claim_batch(worker_id, lease_seconds)?;
-        let without_waiting = !expired && !settings::synchronous_standbys_configured();
-        if without_waiting {
-            // The transaction's own commit reads it, then it is undone.
-            unsafe { set_for_this_transaction(c"synchronous_commit", c"off") };
-        }
-        Some((claimed, without_waiting))
-    });
-    claimed.map(|(claimed, without_waiting)| {
-        if without_waiting && !claimed.jobs.is_empty() {
-            write_wal_up_to(unsafe { pg_sys::XactLastCommitEnd });
-        }
-        claimed
-    })
-}
-
-/// Writes the WAL up to `commit_end` (the end of a commit record) to the operating system, as
-/// the WAL writer does for asynchronous commits (it flushes now and then: when
-/// `wal_writer_delay` has passed since its last flush in this process); when the WAL not yet
-/// flushed crosses into that commit's page, it would write only the pages before, so the commit
-/// is flushed at once instead, as a synchronous commit's.
-fn write_wal_up_to(commit_end: pg_sys::XLogRecPtr) {
-    unsafe {
-        if pg_sys::GetXLogWriteRecPtr() >= commit_end {
-            return;
-        }
-        let page_start = commit_end - commit_end % u64::from(pg_sys::XLOG_BLCKSZ);
-        if page_start > pg_sys::GetFlushRecPtr(std::ptr::null_mut()) {
-            pg_sys::XLogFlush(commit_end);
-            return;
-        }
-        pg_sys::XLogBackgroundFlush();
-        // It can stop short: at the last whole page when more WAL came since, or at the end of
-        // the WAL buffers.
-        if pg_sys::GetXLogWriteRecPtr() < commit_end {
-            pg_sys::XLogFlush(commit_end);
-        }
-    }
-}
-
-/// Gives back jobs claimed ahead that will not run now (the worker was switched off).
-fn give_back_claimed_ahead(worker_id: &str) {
-    let ahead = CLAIMED_AHEAD.with(|ahead| std::mem::take(&mut *ahead.borrow_mut()));
-    let jobs: Vec<(i64, Uuid)> = ahead.jobs.into_iter().map(|(_, job)| job).collect();
-    give_back(&jobs, worker_id);
-}
-
 /// One poll: claim up to `durable_jobs.claim_batch_size` jobs (or take those claimed ahead) and
 /// run them, each in its own subtransaction, one commit per enqueuing role; `may_claim_ahead`
 /// lets the last batch claim the next (`claim_ahead`). Returns whether any job was claimed.
@@ -605,273 +335,6 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
     }
 }
 
-/// The role this session runs handlers for: its bound role, or `role` if it has none yet.
-fn bound_role(role: &str) -> String {
-    BOUND_ROLE.with(|bound| bound.borrow_mut().get_or_insert_with(|| role.to_owned()).clone())
-}
-
-/// Binds the session to its bound role's oid, and makes that role the session's user, before
-/// the session runs its handlers (`privilege::bind_session_to_role`); tried again before each
-/// of its batches while that role does not exist. A worker (`log_as`) whose login role is not a
-/// superuser logs once that its handlers see that role as `session_user`.
-fn bind_session_to(role: &str, log_as: Option<&str>) {
-    if SESSION_BOUND.get() {
-        return;
-    }
-    let binding = in_transaction_or_logged("binding the session to its role", || {
-        BackgroundWorker::transaction(|| crate::pg::privilege::bind_session_to_role(role))
-    });
-    if let (Some(Binding::BoundLoginNotSuperuser), Some(who)) = (binding, log_as) {
-        log!(
-            "{who}: its login role (durable_jobs.worker_role) is not a superuser, so handlers see it as \
-             session_user: give it no rights of its own"
-        );
-    }
-    SESSION_BOUND.set(matches!(binding, Some(Binding::Bound | Binding::BoundLoginNotSuperuser)));
-}
-
-/// Whether this session still runs its bound role's handlers: while the role's name names the
-/// role it was bound to (see `privilege::session_may_serve_named`); in a transaction.
-fn session_serves_bound_role() -> bool {
-    BOUND_ROLE
-        .with(|bound| bound.borrow().as_deref().is_none_or(crate::pg::privilege::session_may_serve_named))
-}
-
-/// The claimed jobs grouped by the role that enqueued them, in claim order. Each group runs in a
-/// transaction of its own, so that roles never share one: no transaction-level lock, statistic
-/// or rerun of one role's job touches another role's.
-fn batches_per_enqueuer(jobs: Vec<(String, (i64, Uuid))>) -> Vec<(String, Vec<(i64, Uuid)>)> {
-    let mut batches: Vec<(String, Vec<(i64, Uuid)>)> = Vec::new();
-    for (enqueuer, job) in jobs {
-        match batches.iter_mut().find(|(role, _)| *role == enqueuer) {
-            Some((_, batch)) => batch.push(job),
-            None => batches.push((enqueuer, vec![job])),
-        }
-    }
-    batches
-}
-
-/// Runs a batch of a role other than the worker's own in its role runner, in parts of what one
-/// hand-over carries (the runner counts what it runs). While it waits, the worker
-/// renews the leases of the claim's jobs still to run (a hand-over carries only so many). A part
-/// that no runner could take goes back to the queue with its attempts, with the parts after it;
-/// the log says why.
-fn run_batch_in_runner(
-    number: i32,
-    role: &str,
-    batch: &[(i64, Uuid)],
-    later: &[(i64, Uuid)],
-    worker_id: &str,
-    lease_seconds: i32,
-    renewal: &mut runner::Renewal,
-) {
-    for (part, leases) in batch.chunks(runner::HANDOFF_JOBS).enumerate() {
-        let start = part * runner::HANDOFF_JOBS;
-        let following: Vec<(i64, Uuid)> =
-            batch[start + leases.len()..].iter().chain(later).copied().collect();
-        let renew = |leases: &[(i64, Uuid)]| {
-            in_worker_transaction("renewing leases", || {
-                lease::renew_leases(leases, worker_id, lease_seconds, true)
-            })
-            .is_some()
-        };
-        // A whole handler of the worker's own role may have run since the claim: the runner
-        // takes over only live leases, and runs them from there.
-        if renewal.is_due() && renew(&leases.iter().chain(&following).copied().collect::<Vec<_>>()) {
-            renewal.done();
-        }
-        match runner::run_in_runner(number, role, leases, &following, lease_seconds, renew) {
-            Ok(()) => {}
-            Err(runner::NotRun::Lost) => {
-                // What the runner committed it counted; the rest counts when it runs again.
-                log!("{WORKER_TYPE}: a role runner ended while running a batch; its jobs are claimed again when their leases expire");
-                // Its renewals of the jobs it carried but had not run went with its transaction.
-                renew_after_rollback(&following, worker_id, lease_seconds);
-                give_back(&batch[start + leases.len()..], worker_id);
-                return;
-            }
-            Err(reason @ (runner::NotRun::NoSlot | runner::NotRun::Refused)) => {
-                let why = if let runner::NotRun::Refused = reason {
-                    "a role runner could not take a batch over (its transaction failed, logged; the extension \
-                     is being updated; or its role was renamed)"
-                } else {
-                    "no role runner could start (no background worker slot free, see max_worker_processes, \
-                     or it ended at start)"
-                };
-                log!("{WORKER_TYPE}: {why}; {} jobs go back to the queue", batch.len() - start);
-                give_back(&batch[start..], worker_id);
-                return;
-            }
-        }
-    }
-}
-
-/// After a transaction that renewed leases failed (the worker's or its runner's): the jobs still
-/// to run get their leases back, in a transaction of their own, before anything else runs, also
-/// those that lapsed meanwhile and no one took.
-fn renew_after_rollback(waiting: &[(i64, Uuid)], worker_id: &str, lease_seconds: i32) {
-    if !waiting.is_empty() {
-        in_worker_transaction("renewing leases", || {
-            lease::renew_leases_after_rollback(waiting, worker_id, lease_seconds)
-        });
-    }
-}
-
-/// Gives claimed jobs that never started back to the queue, with their attempts; one whose row
-/// another session holds is left to its lease. Tried again while the job table is locked (what
-/// may have kept them from running, a `LOCK TABLE` say: the statement waits for no row), for up
-/// to a third of a lease; after that, or another error, they are left to their leases.
-fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
-    if jobs.is_empty() {
-        return;
-    }
-    let lease_length = Duration::from_secs(settings::default_lease_seconds().max(1) as u64);
-    let deadline = Instant::now() + lease_length / 3;
-    loop {
-        match worker_transaction(|| lease::release_unstarted(jobs, worker_id)) {
-            Err(sqlstate) if sqlstate == "55P03" && Instant::now() < deadline => {
-                log!("{WORKER_TYPE}: giving jobs back waited for a lock past the lock timeout; trying again");
-            }
-            outcome => {
-                logged("giving jobs back", outcome);
-                return;
-            }
-        }
-    }
-}
-
-/// Runs `f` in a transaction of its own with the worker's settings; an error is logged and
-/// rolled back (`in_transaction_or_logged`).
-fn in_worker_transaction<R>(
-    what: &str,
-    f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
-) -> Option<R> {
-    logged(what, worker_transaction(f))
-}
-
-/// Runs `f` in a transaction of its own with the worker's settings; an error is rolled back and
-/// returned (its SQLSTATE), as `in_transaction` does.
-fn worker_transaction<R>(
-    f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
-) -> Result<R, String> {
-    in_transaction(|| BackgroundWorker::transaction(|| with_worker_settings(f)))
-}
-
-/// Runs a claimed batch in one transaction; with `ahead`, that transaction claims the next batch
-/// once this one is done (`claim_ahead`). If that transaction fails as a whole (an error
-/// outside any one job's subtransaction, or at commit), nothing of it is kept and each job of a
-/// larger batch is run again alone, so that the error stays with the job that caused it; a job
-/// whose own transaction fails is failed with that error's code. `claimed_rows`: the jobs as the
-/// claim that committed just before returned them; any run after the first reads them again.
-/// With `check_bound_role` (jobs no claim of this poll took: handed over, or claimed ahead), the
-/// transaction first checks, as a poll's claim does, that the session still serves its bound
-/// role; if not, the jobs go back to the queue with their attempts, and the worker is to restart
-/// (`BOUND_ROLE_MOVED`).
-fn run_batch(
-    jobs: &[(i64, Uuid)],
-    later: &[(i64, Uuid)],
-    worker_id: &str,
-    lease_seconds: i32,
-    ahead: bool,
-    claimed_rows: Option<&ClaimedRows>,
-    check_bound_role: bool,
-) {
-    let run = |jobs: &[(i64, Uuid)], later: &[(i64, Uuid)], completion, ahead: bool, rows, check: bool| {
-        in_transaction(|| {
-            BackgroundWorker::transaction(|| {
-                if check && !session_serves_bound_role() {
-                    BOUND_ROLE_MOVED.set(true);
-                    return None;
-                }
-                let tally = execution::run_jobs(jobs, later, worker_id, lease_seconds, completion, rows);
-                let claimed = if ahead { claim_ahead(worker_id, lease_seconds) } else { Claimed::default() };
-                Some((tally, claimed))
-            })
-        })
-        // Kept only once committed: a claim rolled back with its transaction never happened.
-        .map(|ran| {
-            ran.map(|(tally, claimed)| {
-                if !claimed.jobs.is_empty() {
-                    CLAIMED_AHEAD.with(|ahead| *ahead.borrow_mut() = claimed);
-                }
-                tally
-            })
-        })
-    };
-    // The claim's leases from the job at `position` on, renewed after a transaction that failed
-    // (it took its renewals with it); the job there too, whose failure is recorded fenced.
-    let renew_from = |position: usize| {
-        let waiting: Vec<(i64, Uuid)> = jobs[position..].iter().chain(later).copied().collect();
-        renew_after_rollback(&waiting, worker_id, lease_seconds);
-    };
-    // A batch completes its jobs in one statement; one that finds a lease lost there runs again
-    // with each job completed, fenced, right after its handler.
-    let first = if jobs.len() > 1 { Completion::Batched } else { Completion::PerJob };
-    let mut outcome = match run(jobs, later, first, ahead, claimed_rows, check_bound_role) {
-        Ok(None) => {
-            give_back(jobs, worker_id);
-            return;
-        }
-        outcome => outcome.map(|ran| ran.expect("ran")),
-    };
-    if outcome.is_err() && execution::take_lease_lost_in_batch() {
-        log!(
-            "{WORKER_TYPE}: a batch of {} jobs found a lease lost (or a job's row held by another session) \
-             when it completed its jobs; running it again with each job completed after its handler",
-            jobs.len()
-        );
-        renew_from(0);
-        outcome = run(jobs, later, Completion::PerJob, false, None, false).map(|ran| ran.expect("ran"));
-    }
-    let sqlstate = match outcome {
-        Ok(tally) => {
-            tally.publish();
-            return;
-        }
-        Err(sqlstate) => sqlstate,
-    };
-    renew_from(0);
-    if let [job] = jobs {
-        fail_in_own_transaction(*job, &sqlstate, worker_id);
-        return;
-    }
-    log!(
-        "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
-         running its jobs one by one",
-        jobs.len()
-    );
-    for (position, job) in jobs.iter().enumerate() {
-        // Renewed with `later` when due, so that the jobs after this one keep their leases.
-        let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
-        match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None, false) {
-            Ok(ran) => ran.expect("ran").publish(),
-            Err(sqlstate) => {
-                renew_from(position);
-                fail_in_own_transaction(*job, &sqlstate, worker_id);
-            }
-        }
-    }
-}
-
-/// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.
-fn fail_in_own_transaction(job: (i64, Uuid), sqlstate: &str, worker_id: &str) {
-    let recorded = in_transaction_or_logged("recording a failure", || {
-        BackgroundWorker::transaction(|| {
-            let mut tally = Tally::default();
-            // Its run's count went with its transaction: counted here, as claimed once.
-            tally.count(Counter::Claimed);
-            let code = FailureCode::from_sqlstate(sqlstate);
-            with_worker_settings(|| {
-                execution::record_failure(job, worker_id, code, Some(sqlstate), &mut tally)
-            });
-            tally
-        })
-    });
-    if let Some(tally) = recorded {
-        tally.publish();
-    }
-}
-
 const PRUNE_EVERY: Duration = Duration::from_secs(1);
 const PRUNE_BATCH: i64 = 1000;
 const PRUNE_BATCHES_PER_ROUND: usize = 20;
@@ -897,14 +360,4 @@ fn prune_finished_jobs() {
             break;
         }
     }
-}
-
-/// Whether this database has the extension at the version of this library; an older schema
-/// may lack what the worker uses, so the worker waits for `ALTER EXTENSION durable_jobs UPDATE`.
-/// Read from the catalog directly, as our statements read the owner: an SPI query here, with
-/// its settings and executor, was a twentieth of the path from enqueue to handler.
-/// Under the worker's lock timeout: the row is read after a lock on the job table, which a long
-/// `LOCK TABLE` or `VACUUM FULL` could otherwise hold the worker on, unlogged and deaf to reloads.
-fn extension_ready() -> bool {
-    with_worker_settings(crate::pg::privilege::installed_at_library_version).is_some()
 }
