@@ -140,7 +140,7 @@ fn wait_for_durable_job(
         let sleep = (deadline - now).min(recheck);
         wait_horizon::release_for_sleep(statement_snapshot);
         // A query cancel or a terminate ends the wait here (57014, 57P01).
-        crate::jobs::wakeup::sleep_on_latch(sleep);
+        crate::pg::latch::sleep_on_latch(sleep);
     };
     drop(slot);
     SetOfIterator::new(row)

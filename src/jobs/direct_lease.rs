@@ -19,11 +19,11 @@
 //! limited, in the worker's database, from a READ COMMITTED transaction of a session that is no
 //! background worker, with no synchronous standby to wait for; the transaction's first job.
 
-use crate::jobs::wakeup::{my_procno_plus_one, set_latch_of, sleep_on_latch};
+use crate::pg::latch::{my_procno_plus_one, set_latch_of, sleep_on_latch};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_found, set_at_this_level};
 use crate::pg::settings::{self, WORKER_COUNT_LIMIT};
-use crate::worker::runner::{load_role, load_token, store_role, store_token, ROLE_WORDS};
+use crate::pg::shared_words::{load_role, load_token, store_role, store_token, ROLE_WORDS};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
@@ -106,11 +106,21 @@ fn sleeper(number: i32) -> &'static Sleeper {
     &SLEEPERS.get().0[(number - 1) as usize]
 }
 
+/// Called by worker `number` (1-based) once it runs, before `wakeup::publish_worker`: `reset`
+/// now and when it exits (after its wake-up slot is cleared).
+pub fn publish_worker(number: i32) {
+    reset(number, true);
+    unsafe extern "C-unwind" fn reset_at_exit(_code: std::ffi::c_int, number: pg_sys::Datum) {
+        reset(number.value() as i32, false);
+    }
+    unsafe { pg_sys::on_shmem_exit(Some(reset_at_exit), pg_sys::Datum::from(number)) };
+}
+
 /// Worker `number` starts, or exits: it is awake to enqueues, and a reservation of it ends (its
 /// enqueuer makes the job available again). A hand-over under way or done is left for the
 /// worker's next start (the same worker id holds the lease), whose first poll takes it; at
 /// start, enqueues set the latch of this process from here on.
-pub fn reset(number: i32, starting: bool) {
+fn reset(number: i32, starting: bool) {
     let sleeper = sleeper(number);
     if starting {
         sleeper.worker_procno.store(my_procno_plus_one(), SeqCst);

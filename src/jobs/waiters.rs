@@ -4,7 +4,7 @@
 //! visible, the latches of the jobs' waiters are set. Nothing is sent when nobody waits, and no
 //! NOTIFY (which takes a cluster-wide lock at commit) is involved.
 
-use crate::jobs::wakeup::{at_commit_or_forget, my_procno_plus_one, set_latch_of};
+use crate::pg::latch::{at_commit_or_forget, my_procno_plus_one, set_latch_of};
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic};
 use std::cell::RefCell;

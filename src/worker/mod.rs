@@ -61,6 +61,7 @@ pub fn register_workers() {
 pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{WORKER_TYPE} {number}"));
+    direct_lease::publish_worker(number);
     wakeup::publish_worker(number);
     warn_if_runners_may_find_no_slot();
     log!("{WORKER_TYPE} {number} started");
@@ -149,7 +150,7 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
         {
             return true;
         }
-        let latch_set = wakeup::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
+        let latch_set = crate::pg::latch::sleep_on_latch(wake_at.saturating_duration_since(Instant::now()));
         if BackgroundWorker::sigterm_received() {
             return false;
         }
