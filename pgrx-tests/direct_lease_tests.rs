@@ -5,15 +5,15 @@
 /// job's lease and the enqueuing transaction from the word, and leaves the word awake (free for
 /// the next enqueue to find the worker awake). The job goes back to the queue once that
 /// transaction ended committed (`transaction_ended`; still running here: the test's own).
-/// Failed before (helper-55's review): the worker waited for the commit however long, and ran
+/// Failed before: the worker waited for the commit however long, and ran
 /// no other job meanwhile.
 #[pg_test]
 fn a_worker_stops_waiting_for_an_enqueues_commit_that_outlasts_its_wait() {
-    use crate::jobs::direct_lease::{transaction_ended, wake_up, Handed};
+    use crate::jobs::sleepers::{transaction_ended, wake_up, Handed};
     let job = (42_i64, pgrx::Uuid::from_bytes([7; 16]));
     let enqueuing = unsafe { pg_sys::GetTopTransactionId() };
     // Worker 1 of the test cluster stays switched off: its word is this test's to set.
-    crate::jobs::direct_lease::committing_for_test(1, job, enqueuing);
+    crate::jobs::sleepers::committing_for_test(1, job, enqueuing);
     let started = std::time::Instant::now();
     match wake_up(1) {
         Handed::Late(late, transaction) => assert_eq!((late, transaction), (job, enqueuing)),

@@ -38,7 +38,7 @@ pub extern "C-unwind" fn _PG_init() {
         pg::settings::register_postmaster_settings();
         jobs::metrics::init_shared_memory();
         jobs::wakeup::init_shared_memory();
-        jobs::direct_lease::init_shared_memory();
+        jobs::sleepers::init_shared_memory();
         worker::runner::init_shared_memory();
         jobs::waiters::init_shared_memory();
         jobs::hooks::install();

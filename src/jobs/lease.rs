@@ -7,7 +7,12 @@
 //! nothing and is told `stale`. The statements are in `jobs::statements`.
 
 use crate::jobs::failure::FailureCode;
-use crate::jobs::statements::*;
+use crate::jobs::statements::{
+    CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, COMPLETE, COMPLETE_BATCH, COMPLETE_BATCH_SKIPPING_HELD,
+    COMPLETE_ON_OLD_SCHEMA, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA, HELD_LEASES, RELEASE_UNSTARTED,
+    RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD,
+    STATE_AND_PERMISSION,
+};
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner, as_extension_owner_of, Installed};

@@ -9,6 +9,7 @@ pub mod hooks;
 pub mod lease;
 pub mod metrics;
 pub mod retention;
+pub mod sleepers;
 pub mod statements;
 pub mod wait_horizon;
 pub mod waiters;

@@ -18,10 +18,10 @@ pub mod runner;
 pub mod sandbox;
 pub mod session;
 
-use crate::jobs::direct_lease;
 use crate::jobs::lease;
 use crate::jobs::metrics::{self, Counter, Tally};
 use crate::jobs::retention;
+use crate::jobs::sleepers;
 use crate::jobs::wakeup;
 use crate::pg::privilege::{as_extension_owner_of, with_worker_settings};
 use crate::pg::settings;
@@ -61,7 +61,7 @@ pub fn register_workers() {
 pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{WORKER_TYPE} {number}"));
-    direct_lease::publish_worker(number);
+    sleepers::publish_worker(number);
     wakeup::publish_worker(number);
     warn_if_runners_may_find_no_slot();
     log!("{WORKER_TYPE} {number} started");
@@ -145,8 +145,7 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
             return true;
         }
         let wake_at = statistics_due.map_or(deadline, |due| due.min(deadline));
-        if settings::WORKER_ENABLED.get()
-            && !direct_lease::fall_asleep(number, settings::default_lease_seconds())
+        if settings::WORKER_ENABLED.get() && !sleepers::fall_asleep(number, settings::default_lease_seconds())
         {
             return true;
         }
@@ -163,14 +162,14 @@ fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
     }
 }
 
-/// Wakes worker `number` to enqueues (`direct_lease::wake_up`) and keeps the job one handed it,
+/// Wakes worker `number` to enqueues (`sleepers::wake_up`) and keeps the job one handed it,
 /// if any, with the jobs claimed ahead, which this poll runs (its lease renewed first if a
 /// quarter of it is gone: a worker restarted meanwhile). A job whose enqueue's commit outlasted
 /// the worker's wait goes back to the queue, with its attempt, at the first poll after that
 /// commit.
 fn take_handed_job(number: i32, worker_id: &str) {
     LATE_HANDOVERS.with(|late| {
-        late.borrow_mut().retain(|(job, transaction)| match direct_lease::transaction_ended(*transaction) {
+        late.borrow_mut().retain(|(job, transaction)| match sleepers::transaction_ended(*transaction) {
             None => true,
             Some(committed) => {
                 if committed {
@@ -180,14 +179,14 @@ fn take_handed_job(number: i32, worker_id: &str) {
             }
         })
     });
-    let handed = match direct_lease::wake_up(number) {
-        direct_lease::Handed::Nothing => return,
-        direct_lease::Handed::Late(job, transaction) => {
+    let handed = match sleepers::wake_up(number) {
+        sleepers::Handed::Nothing => return,
+        sleepers::Handed::Late(job, transaction) => {
             log!("{WORKER_TYPE} {number}: an enqueue's commit outlasted the wait for its job's hand-over; the job goes back to the queue once it commits");
             LATE_HANDOVERS.with(|late| late.borrow_mut().push((job, transaction)));
             return;
         }
-        direct_lease::Handed::Job(handed) => handed,
+        sleepers::Handed::Job(handed) => handed,
     };
     // An enqueue that committed without waiting for its flush: its WAL reaches the operating
     // system before the handler starts, as a claim's does, so that a crash of PostgreSQL in the
