@@ -146,14 +146,14 @@ fn the_worker_checks_a_handler_as_its_load_query_did() {
                      row.get::<pg_sys::Oid>(3).unwrap().unwrap())
                 })
             });
-            let checked = crate::api::handlers::runnable_handler(handler, enqueuer, enqueuer)
+            let checked = crate::jobs::trust::runnable_handler(handler, enqueuer, enqueuer)
                 .map(|found| (found.routine, found.is_procedure, found.role));
             assert_eq!(checked, expected, "{handler} enqueued by {enqueuer}");
             if checked.is_some() { runnable += 1 } else { refused += 1 }
         }
     }
     assert!(runnable >= 8 && refused >= 20, "{runnable} runnable, {refused} refused");
-    let may_run = |handler: &str, enqueuer: &str| crate::api::handlers::runnable_handler(handler, enqueuer, enqueuer).is_some();
+    let may_run = |handler: &str, enqueuer: &str| crate::jobs::trust::runnable_handler(handler, enqueuer, enqueuer).is_some();
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_member"), "a group's code never runs as its member");
     assert!(!may_run("public.dj_rh_g(jsonb)", "dj_rh_grandchild"), "nor as a member's member");
     assert!(may_run("public.dj_rh_g(jsonb)", "dj_rh_owner"), "the owner's own code runs as itself");
@@ -238,7 +238,7 @@ fn a_registration_serves_only_the_roles_whose_rights_its_registrant_holds() {
 
 /// Calls `handler` as the worker would at a job's turn, with an empty payload, in a
 /// subtransaction: "ran", or the SQLSTATE of the error that stopped it.
-fn call_handler_in_subtransaction(handler: crate::api::handlers::RunnableHandler) -> String {
+fn call_handler_in_subtransaction(handler: crate::jobs::trust::RunnableHandler) -> String {
     let payload = Spi::get_one::<crate::pg::sql_types::JsonbDatum>("SELECT '{}'::jsonb").unwrap().unwrap();
     match crate::worker::sandbox::in_subtransaction(|| {
         crate::worker::sandbox::call_handler(handler, payload);
@@ -319,7 +319,7 @@ fn the_worker_checks_a_handler_again_when_it_calls_it() {
     )
     .unwrap();
     let handler =
-        crate::api::handlers::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
+        crate::jobs::trust::runnable_handler("public.dj_ch(jsonb)", "dj_ch_enqueuer", "dj_ch_enqueuer").expect("runnable at load");
     let call = || call_handler_in_subtransaction(handler);
     assert_eq!(call(), "ran");
     Spi::run("ALTER FUNCTION public.dj_ch(jsonb) OWNER TO dj_ch_other").unwrap();

@@ -705,9 +705,9 @@ fn the_load_of_a_batch_checks_each_handler_once() {
     )
     .unwrap();
     assert_eq!(other_scans.as_deref(), Some("Index Scan durable_job_handler_pkey"), "{plan}");
-    crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.set(0));
+    crate::jobs::trust::HANDLER_CHECKS.with(|checks| checks.set(0));
     let loaded = crate::worker::load::load_jobs(&leases, "w");
-    assert_eq!(crate::api::handlers::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");
+    assert_eq!(crate::jobs::trust::HANDLER_CHECKS.with(|checks| checks.get()), 1, "one handler, one enqueuer");
     let runnable: Vec<Option<bool>> =
         leases.iter().map(|(id, _)| loaded.get(id).map(|job| job.handler.is_some())).collect();
     assert_eq!(runnable, [Some(true), Some(true), Some(true), Some(true), Some(false)], "the unregistered kind last");

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod retention;
 pub mod sleepers;
 pub mod statements;
+pub mod trust;
 pub mod wait_horizon;
 pub mod waiters;
 pub mod wakeup;

@@ -14,10 +14,10 @@ use super::sandbox::{
     as_enqueuer, call_handler, clear_session_state, fire_constraints_immediately, gave_up_waiting,
     in_subtransaction, raise_again,
 };
-use crate::api::handlers::{registrant_serves, routine_still_exists};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease;
 use crate::jobs::metrics::{Counter, Tally};
+use crate::jobs::trust::{registrant_serves, routine_still_exists};
 use crate::pg::privilege::{set_at_this_level, with_worker_settings};
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;

@@ -3,8 +3,8 @@
 //! resolved once per batch, and jobs no registration serves given back.
 
 use super::sandbox::{gave_up_waiting, in_subtransaction, raise_again};
-use crate::api::handlers::{registration_serves, runnable_handler, RunnableHandler};
 use crate::jobs::lease;
+use crate::jobs::trust::{registration_serves, runnable_handler, RunnableHandler};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner, as_owner, installed_at_library_version};
 use crate::pg::sql_types::JsonbDatum;

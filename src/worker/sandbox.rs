@@ -2,7 +2,7 @@
 //! under a statement timeout and a lease watchdog, in a subtransaction of its own; and the
 //! clearing of whatever a handler could leave in the session for the next job.
 
-use crate::api::handlers::{may_run_routine, registrant_serves, RunnableHandler};
+use crate::jobs::trust::{may_run_routine, registrant_serves, RunnableHandler};
 use crate::pg::privilege::set_at_this_level;
 use crate::pg::randomness;
 use crate::pg::sql_types::JsonbDatum;
