@@ -426,7 +426,7 @@ fn metrics_count_every_state_in_one_pass_over_the_job_table() {
     // big estimate (other tests' rows, rolled back, leave the table's pages) the planner may
     // pick a parallel scan.
     Spi::run("SET LOCAL max_parallel_workers_per_gather = 0").unwrap();
-    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::jobs::metrics::JOBS_PER_STATE)).0;
+    let plan = one::<pgrx::Json>(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", crate::api::metrics::JOBS_PER_STATE)).0;
     let reads: i64 = Spi::get_one_with_args(
         r#"SELECT sum((n ->> 'Actual Loops')::bigint)::bigint
            FROM jsonb_path_query($1::jsonb, 'strict $.** ? (@."Relation Name" == "durable_job")') AS n"#,

@@ -3,6 +3,8 @@
 pub mod enqueue;
 pub mod handlers;
 pub mod lease;
+pub mod metrics;
 pub mod queues;
 pub mod replay;
+pub mod retention;
 pub mod status;

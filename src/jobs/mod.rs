@@ -3,11 +3,11 @@
 //! commit, the status waiters, the counters and pruning.
 
 pub mod arguments;
+pub mod counters;
 pub mod direct_lease;
 pub mod failure;
 pub mod hooks;
 pub mod lease;
-pub mod metrics;
 pub mod retention;
 pub mod sleepers;
 pub mod statements;

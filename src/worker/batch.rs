@@ -11,9 +11,9 @@ use super::session::{
     in_transaction, in_transaction_or_logged, in_worker_transaction, session_serves_bound_role,
     BOUND_ROLE_MOVED,
 };
+use crate::jobs::counters::{Counter, Tally};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease;
-use crate::jobs::metrics::{Counter, Tally};
 use crate::pg::privilege::with_worker_settings;
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;

@@ -14,9 +14,9 @@ use super::sandbox::{
     as_enqueuer, call_handler, clear_session_state, fire_constraints_immediately, gave_up_waiting,
     in_subtransaction, raise_again,
 };
+use crate::jobs::counters::{Counter, Tally};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease;
-use crate::jobs::metrics::{Counter, Tally};
 use crate::jobs::trust::{registrant_serves, routine_still_exists};
 use crate::pg::privilege::{set_at_this_level, with_worker_settings};
 use pgrx::prelude::*;

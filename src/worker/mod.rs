@@ -18,8 +18,8 @@ pub mod runner;
 pub mod sandbox;
 pub mod session;
 
+use crate::jobs::counters::{self, Counter, Tally};
 use crate::jobs::lease;
-use crate::jobs::metrics::{self, Counter, Tally};
 use crate::jobs::retention;
 use crate::jobs::sleepers;
 use crate::jobs::wakeup;
@@ -305,7 +305,7 @@ fn poll_once(number: i32, worker_id: &str, may_claim_ahead: bool) -> bool {
         // Quietly wait for CREATE EXTENSION (or ALTER EXTENSION UPDATE).
         None => false,
         Some(claimed) if claimed.jobs.is_empty() => {
-            metrics::count(Counter::IdlePolls);
+            counters::count(Counter::IdlePolls);
             false
         }
         Some(Claimed { jobs, rows, claimed_at }) => {
