@@ -1,16 +1,10 @@
 //! durable_jobs: a durable, lease-fenced job queue inside PostgreSQL.
 //!
-//! Each concern has its own module: `settings` (GUCs), `failure` (stable failure codes and their
-//! classification), `arguments` (validation of caller input), `privilege` (who the caller is,
-//! and running our own SQL as the extension owner), `sql_types` (jsonb passed through untouched,
-//! regprocedure), `enqueue`, `lease` (claim, complete, fail, extend, cancel: the fenced state
-//! machine), `plans` (kept prepared statements), `handlers` (registration), `queues` (pause,
-//! resume, concurrency limits), `status` (reading, listing and waiting for jobs), `replay`
-//! (running a failed or cancelled job again), `retention` (deleting finished jobs), `worker`
-//! (the background worker loop), `runner` (role runners: one session per role), `execution`
-//! (running one handler), `wakeup` (latches set at enqueue commit), `waiters` (latches of status
-//! waiters set at the commit of a job's change),
-//! `metrics`, `randomness` (lease tokens and seeds from the kernel's random source).
+//! Four layers: `pg` (PostgreSQL plumbing), `jobs` (the job model the SQL API and the background
+//! share), then `api` (the SQL functions) and `worker` (the background worker and its role
+//! runners), which never import each other. A module imports from its own layer and those before
+//! it, and no modules import each other in a circle (tests/docs.rs checks both). README's Layout
+//! names every module; docs/architecture.md shows a job's path through them.
 
 use pgrx::prelude::*;
 
