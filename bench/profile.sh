@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profiles one background worker draining no-op jobs, CPU-bound (synchronous_commit = off, so
 # that the code and not the disk is measured), and prints the inclusive share of each function
-# in the worker's samples: how docs/benchmarks.md's per-step breakdowns were taken.
+# in the worker's samples: where its time goes, step by step.
 #   BATCH (default 50): durable_jobs.claim_batch_size; JOBS (default 200000): jobs enqueued;
 #   SECONDS_PROFILED (default 4): how long perf records, once the drain is under way;
 #   PERCENT_LIMIT (default 0.5): the smallest share printed.

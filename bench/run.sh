@@ -252,7 +252,7 @@ done
 psql_q -c "TRUNCATE durable_jobs.durable_job" -c "TRUNCATE public.started" >/dev/null
 set_worker on 1
 sleep 1
-# The machine drifts by a fifth either way within minutes (docs/benchmarks.md, eleventh round):
+# The machine drifts by a fifth either way within minutes (docs/benchmarks.md):
 # the latency's reference is pgbench's UPDATE right before and right after it, averaged.
 update_latency_now() { latency_of "$(pgbench_run -f "$scripts/update.sql" -c 1 -j 1 -T 5)"; }
 latency_before=$(update_latency_now)
@@ -315,7 +315,7 @@ done
 row "size after 100,000 vs after 20,000" "" "$(ratio "${size[100000]}" "${size[20000]}")"
 row "seconds for the 100,000 jobs to pass through" "$(( SECONDS - size_started ))" ""
 
-# Issue #14's table: each target beside the figure and reference of this run.
+# The targets: each beside the figure and reference of this run.
 target_row() {  # label figure reference target(">=1.5", "<=3", or "" for none)
     python3 - "$@" <<'PY'
 import sys
@@ -333,7 +333,7 @@ except (ValueError, ZeroDivisionError):
 PY
 }
 echo
-printf '%-58s %10s %10s %8s %8s\n' "targets (issue #14)" "figure" "reference" "ratio" "target"
+printf '%-58s %10s %10s %8s %8s\n' "targets" "figure" "reference" "ratio" "target"
 target_row "worker batch 50 vs graphile-worker" "${fig[batch50_1]}" "${ref[graphile_drain]:-}" ">=1.5"
 target_row "worker batch 50 vs raw 50/txn, 1 client" "${fig[batch50_1]}" "${ref[raw_batch_1]}" ">=0.8"
 # Not targets: where the job table alone puts the batch (see docs/benchmarks.md).

@@ -716,8 +716,8 @@ fn the_load_of_a_batch_checks_each_handler_once() {
 #[pg_test]
 fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     // Reviving a lapsed lease starts its job again: a queue limited to 2 that others filled
-    // meanwhile gets none of them back, and one of them once a place is free. Failed before (a
-    // review): both came back, four jobs of the queue running.
+    // meanwhile gets none of them back, and one of them once a place is free. Failed before: both
+    // came back, four jobs of the queue running.
     for _ in 0..4 {
         Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited')").unwrap();
     }

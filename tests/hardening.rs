@@ -658,7 +658,7 @@ fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
 
 /// A worker role with no rights of its own runs the handlers of a schema it may not use: the
 /// worker resolves a handler as the extension owner, and runs it as its enqueuer. Failed before
-/// the fix (helper-39's review): a batch run from its claim's rows resolved the handler as the
+/// the fix: a batch run from its claim's rows resolved the handler as the
 /// worker role, so at claim_batch_size 1 every job failed as `target_rejected` (42501), and at 5
 /// every batch failed as a whole before running again job by job.
 #[test]
@@ -1101,8 +1101,8 @@ fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
 fn a_handler_cancelling_an_earlier_job_of_its_batch_costs_no_job_its_lease() {
     // As above, and app_a's second slow job cancels the first, which succeeded just before it in
     // the same batch: that job is done by then (the cancel finds nothing to cancel), and every
-    // job, app_b's too, succeeds on its first attempt. Failed before the fix (review of the
-    // batched completion): the first job's success waited for the end of the batch, the cancel
+    // job, app_b's too, succeeds on its first attempt. Failed before the fix: the
+    // first job's success waited for the end of the batch, the cancel
     // made the batch rerun after its renewals were rolled back, and the claim's leases had
     // lapsed by then: every job lost its attempt.
     let cluster = Cluster::start(&format!(
@@ -1271,7 +1271,7 @@ fn a_slow_failing_job_whose_row_is_held_costs_its_batch_and_the_next_role_nothin
     // first job's success is completed, the slow job's failure waits for its held row, the
     // renewal of app_a's jobs for the third job's and the fourth's, one after the other; then
     // app_b's second lease must still be live when it is renewed.
-    // Failed before the fix (second review of the batched completion; the test then had 4 s
+    // Failed before the fix (the test then had 4 s
     // leases, only the slow job's row held and app_b's one job), on the code that waited 1 s for
     // a row: the first and third jobs ran again on a second attempt and app_b's job failed
     // (`lease_expired`). Broken on purpose after it: with each wait a fixed quarter of the
@@ -2187,8 +2187,8 @@ fn a_session_bound_to_a_role_runs_no_job_of_a_new_role_of_the_same_name() {
 #[test]
 fn a_session_of_an_unprivileged_worker_runs_no_job_of_a_new_role_of_the_same_name() {
     // The same with a worker that logs in as a role that is not a superuser: its sessions' user
-    // stays that role, but they are bound to their first role's oid all the same. Failed before
-    // (helper-50's review): bound by name, the runner ran the new app_b's job in the session
+    // stays that role, but they are bound to their first role's oid all the same. Failed before:
+    // bound by name, the runner ran the new app_b's job in the session
     // whose PL/pgSQL caches app_b_old's handlers had filled, and the worker the new app_a's.
     let (cluster, mut admin) = cluster_with_unprivileged_worker("");
     admin.batch_execute(APP_ROLES).unwrap();

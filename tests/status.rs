@@ -103,7 +103,7 @@ fn a_waiter_holds_no_lock_that_ddl_on_the_job_table_would_wait_for() {
         waiting_sessions(&mut producer).iter().any(|(_, kind, _)| kind.as_deref() == Some("Extension"))
     });
     // What ALTER EXTENSION UPDATE takes: with a waiter's lock in the way, every enqueue and claim
-    // would queue behind it for as long as the wait lasts (0.4.0 before the review: 55P03 here).
+    // would queue behind it for as long as the wait lasts (0.4.0 before the fix: 55P03 here).
     let mut ddl = cluster.connect();
     let mut locking = ddl.transaction().unwrap();
     locking.batch_execute("LOCK TABLE durable_jobs.durable_job IN ACCESS EXCLUSIVE MODE NOWAIT").unwrap();
@@ -212,12 +212,12 @@ fn holds_xmin_while_asleep(cluster: &Cluster, job_id: i64, form: &WaitForm) -> b
 /// Broken on purpose, one check at a time: without the executor-depth check the PL/pgSQL loop
 /// released its xmin; without the snapshot checks the cursor and both exported snapshots;
 /// without the check of who holds the statement's snapshot, the cursor and the large object
-/// opened in an argument (a review read rows vacuum had removed through both); without the
+/// opened in an argument (both once read rows vacuum had removed); without the
 /// call-identity check nothing, as the depth check also stops the nested wait, which the
 /// identity check alone stopped when depth was not checked; without the checks of where the
 /// rows go and of the active snapshots below the statement's, the deferred trigger's and the
-/// planner's loops. Reviews had broken earlier versions with the nested, the pipeline, the
-/// argument and the deferred-trigger forms.
+/// planner's loops. Earlier versions were broken with the nested, the pipeline, the argument
+/// and the deferred-trigger forms.
 #[test]
 fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps() {
     let cluster = Cluster::start(PRELOADED);
@@ -284,7 +284,7 @@ fn a_wait_that_is_its_whole_statement_does_not_hold_back_vacuum_while_it_sleeps(
         },
         // A PL/pgSQL loop over it at commit, in a deferred trigger: the loop's query is the only
         // executor running, under the snapshot the commit pushed, which the trigger's later
-        // reads use (review 2 read rows of a transaction that snapshot saw as running).
+        // reads use (an earlier version read rows of a transaction that snapshot saw as running).
         WaitForm::Extended { setup: "", wait: "INSERT INTO public.waits_at_commit VALUES ($1)" },
         // The same while the planner folds an IMMUTABLE function.
         WaitForm::Simple("SELECT public.folded_wait({job})"),

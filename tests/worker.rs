@@ -922,7 +922,7 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
 /// starts: its completion and failure time out the same way (its write rolled back, the failure
 /// logged as not recorded), or, once the claim's leases need renewing, the renewal leaves it
 /// (counted stale, not run again). Only the held job waits for its lease to run again; the batch
-/// never fails as a whole. Failed before the fix (review of the batched completion): the
+/// never fails as a whole. Failed before the fix: the
 /// completion waited for the row until its lock timeout, and the batch failed as a whole and
 /// ran one job per transaction.
 #[test]
@@ -964,8 +964,8 @@ fn a_row_held_by_another_session_when_its_batch_completes_costs_only_that_job() 
 }
 
 /// A handler waits for a lock as long as the session's lock_timeout lets it (none here), not
-/// the worker's own 1 s, which is for the worker's statements only. Failed before the fix
-/// (second review of the batched completion): the handler's lock wait ended after 1 s with
+/// the worker's own 1 s, which is for the worker's statements only. Failed before the fix: the
+/// handler's lock wait ended after 1 s with
 /// 55P03 and the job was retried as `target_unavailable`.
 #[test]
 fn a_handler_waits_for_a_lock_under_the_sessions_lock_timeout_not_the_workers() {

@@ -15,8 +15,8 @@
 //! - the statement alone holds its snapshot, which is the transaction's only one, registered or
 //!   active (no open cursor, no other portal of a pipeline, no exported snapshot, nothing an
 //!   argument opened), and the transaction is not a block.
-//! Anything else keeps the horizon while it sleeps, as any open statement does. Three reviews
-//! broke earlier versions; tests/status.rs keeps each form they used. One cursor does release:
+//! Anything else keeps the horizon while it sleeps, as any open statement does. Each form that
+//! broke an earlier version has its test in tests/status.rs. One cursor does release:
 //! a `DECLARE ... WITH HOLD` (no block needed) run by the protocol's Execute message rather than
 //! FETCH passes every check as the client's own statement. It is harmless: its function scan is
 //! the only reader of its snapshot, and persisting it at commit re-reads only the rows it stored.
