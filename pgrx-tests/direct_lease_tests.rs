@@ -1,4 +1,4 @@
-// Direct leases (src/direct_lease.rs): the worker's side of the word, which the end-to-end tests
+// Direct leases (src/jobs/sleepers.rs): the worker's side of the word, which the end-to-end tests
 // in tests/worker.rs cannot hold still.
 
 /// A worker that waits for an enqueue's commit longer than its wait stops waiting: it takes the

@@ -86,7 +86,7 @@ fn documented_settings_match_the_catalog() {
 
 #[pg_test]
 fn documented_states_and_failure_codes_match_the_code() {
-    // The states and codes the table's constraints accept (src/constraints.rs).
+    // The states and codes the table's constraints accept (src/pg/constraints.rs).
     let states: Vec<String> = crate::pg::constraints::JOB_STATES.iter().map(|s| (*s).to_owned()).collect();
     assert_eq!(doc_table_keys("## Job states"), states, "same states, same order");
     let codes: Vec<String> =

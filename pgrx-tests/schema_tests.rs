@@ -29,7 +29,7 @@ fn constraints_make_bad_states_unrepresentable() {
     );
 }
 
-/// Each C function behind a CHECK constraint or the trigger's WHEN (src/constraints.rs) against
+/// Each C function behind a CHECK constraint or the trigger's WHEN (src/pg/constraints.rs) against
 /// the SQL it stands for (that of 0.3.0 and the first 0.4.0 builds), over every combination of
 /// telling values, NULLs included: a CHECK passes where its SQL is true or NULL, a WHEN fires
 /// where it is true.

@@ -151,7 +151,8 @@ fn test_targets(manifest: &str) -> Vec<String> {
 fn every_test_file_is_registered() {
     let sample_library = "// include!(\"../pgrx-tests/a.rs\");\n/*\ninclude!(\"../pgrx-tests/b.rs\");\n*/\n    include!(\"../pgrx-tests/c.rs\");\n";
     assert_eq!(included_suites(sample_library), ["c.rs"]);
-    let sample_manifest = "# [[test]]\n# path = \"a.rs\"\n[lib]\npath = \"b.rs\"\n[[test]]\nname = \"c\"\npath = \"c.rs\"\n";
+    let sample_manifest =
+        "# [[test]]\n# path = \"a.rs\"\n[lib]\npath = \"b.rs\"\n[[test]]\nname = \"c\"\npath = \"c.rs\"\n";
     assert_eq!(test_targets(sample_manifest), ["c.rs"]);
 
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -214,7 +215,8 @@ fn named_modules(markdown: &str) -> Vec<String> {
             let (Some(first), second, None) = (parts.next(), parts.next(), parts.next()) else {
                 return false;
             };
-            layers.contains(&first) && second.is_none_or(|m| m.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            layers.contains(&first)
+                && second.is_none_or(|m| m.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
         })
         .map(str::to_string)
         .collect();
@@ -253,8 +255,11 @@ fn imports(root: &std::path::Path, modules: &[String]) -> Vec<(String, String)> 
         let source = std::fs::read_to_string(&path).unwrap();
         let code = rust_code_lines(&source).join("\n");
         let mut add = |target: String| {
-            let target =
-                if modules.contains(&target) { target } else { target.split("::").next().unwrap().to_string() };
+            let target = if modules.contains(&target) {
+                target
+            } else {
+                target.split("::").next().unwrap().to_string()
+            };
             if target != *module && !edges.contains(&(module.clone(), target.clone())) {
                 edges.push((module.clone(), target));
             }
@@ -276,7 +281,9 @@ fn imports(root: &std::path::Path, modules: &[String]) -> Vec<(String, String)> 
                         _ => continue,
                     },
                 };
-                if modules.contains(&target) || modules.contains(&target.split("::").next().unwrap().to_string()) {
+                if modules.contains(&target)
+                    || modules.contains(&target.split("::").next().unwrap().to_string())
+                {
                     add(target);
                 }
             }
@@ -310,7 +317,11 @@ fn the_layers_import_downward_and_no_modules_import_each_other_in_a_circle() {
     // A circle among modules: a depth-first search over the imports, a layer's mod.rs left out
     // as a target (it only declares its modules).
     let targets = |module: &str| -> Vec<String> {
-        edges.iter().filter(|(from, to)| from == module && to.contains("::")).map(|(_, to)| to.clone()).collect()
+        edges
+            .iter()
+            .filter(|(from, to)| from == module && to.contains("::"))
+            .map(|(_, to)| to.clone())
+            .collect()
     };
     fn visit(
         module: &str,

@@ -4,7 +4,9 @@
 //! or a slow batch never takes the worker or the other jobs of a batch down. Each test failed
 //! against 0.2.0.
 
-use harness::{count, error_text, job_outcome, metric, sqlstate, wait_until, workers_waiting_on, Cluster, WORKER_CONF};
+use harness::{
+    count, error_text, job_outcome, metric, sqlstate, wait_until, workers_waiting_on, Cluster, WORKER_CONF,
+};
 use postgres::Client;
 use std::time::Duration;
 
@@ -165,9 +167,10 @@ fn nothing_a_handler_defers_to_commit_runs_as_the_worker() {
 /// function, without ResetSequenceCaches `lastval()`; each failed this test.
 #[test]
 fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
-    let (cluster, mut admin) =
-        cluster_with_app_roles(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10
-"));
+    let (cluster, mut admin) = cluster_with_app_roles(&format!(
+        "{WORKER_CONF}durable_jobs.claim_batch_size = 10
+"
+    ));
     admin
         .batch_execute(
             "CREATE TABLE public.audit_log (who name);
@@ -246,7 +249,10 @@ fn a_handler_leaves_nothing_in_the_session_for_the_next_job() {
     assert_eq!(outcome_of(&mut admin, "look_around"), ("succeeded".into(), None));
     assert_eq!(count(&mut admin, "SELECT count(*) FROM public.audit_log WHERE who = 'app_a'"), 1);
     // One claim, one role: the four jobs ran in one process (the premise of everything below).
-    assert_eq!(count(&mut admin, "SELECT count(DISTINCT value) FROM public.seen WHERE what LIKE '%backend'"), 1);
+    assert_eq!(
+        count(&mut admin, "SELECT count(DISTINCT value) FROM public.seen WHERE what LIKE '%backend'"),
+        1
+    );
     let seen: Vec<(String, String)> = admin
         .query("SELECT what, value FROM public.seen ORDER BY what", &[])
         .unwrap()
@@ -494,9 +500,13 @@ fn a_batch_running_past_its_committed_leases_still_fills_its_queues_limit() {
     wait_until(Duration::from_secs(20), "the first job at its gate", || at_gate(&mut client, 7104) == 1);
     let half_lapsed = "SELECT count(*) FROM durable_jobs.durable_job
                        WHERE queue_name = 'limited' AND lease_expires_at < clock_timestamp() + interval '5 s'";
-    wait_until(Duration::from_secs(20), "half of the limited jobs' leases", || count(&mut client, half_lapsed) == 2);
+    wait_until(Duration::from_secs(20), "half of the limited jobs' leases", || {
+        count(&mut client, half_lapsed) == 2
+    });
     first_gate.open();
-    wait_until(Duration::from_secs(20), "the first limited job at its gate", || at_gate(&mut client, 7105) == 1);
+    wait_until(Duration::from_secs(20), "the first limited job at its gate", || {
+        at_gate(&mut client, 7105) == 1
+    });
     let lapsed = "SELECT count(*) FROM durable_jobs.durable_job
                   WHERE queue_name = 'limited' AND job_state = 'running' AND lease_expires_at < clock_timestamp()";
     wait_until(Duration::from_secs(20), "the limited jobs' committed leases to lapse", || {
@@ -708,7 +718,10 @@ fn a_worker_role_without_rights_runs_handlers_of_a_schema_it_may_not_use() {
     // The second ten ran in batches (the reload reached the worker first): the jobs of a batch
     // are completed together, in one statement, whose transaction their rows share.
     assert!(
-        count(&mut client, "SELECT count(DISTINCT xmin::text) FROM durable_jobs.durable_job WHERE job_id > 10") < 10,
+        count(
+            &mut client,
+            "SELECT count(DISTINCT xmin::text) FROM durable_jobs.durable_job WHERE job_id > 10"
+        ) < 10,
         "the second ten jobs ran one per transaction"
     );
     assert!(!cluster.server_log().contains("failed as a whole"), "a batch failed as a whole");
@@ -1232,7 +1245,8 @@ fn a_role_that_holds_its_own_jobs_row_costs_no_other_role_its_lease() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut holding = app_a.transaction().unwrap();
-    let cancelled: bool = holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap().get(0);
+    let cancelled: bool =
+        holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&held]).unwrap().get(0);
     assert!(cancelled, "app_a holds its quick job's row while the slow job runs");
     wait_until(Duration::from_secs(30), "app_b's job to finish", || {
         count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE enqueued_by = 'app_b' AND finished_at IS NOT NULL") == 1
@@ -1971,7 +1985,10 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
     admin.execute("SELECT durable_jobs.pause_durable_job_queue('default')", &[]).unwrap();
     for gate in [7101_i64, 7106] {
         app_b
-            .execute("SELECT durable_jobs.enqueue_durable_job('gated', jsonb_build_object('gate', $1::bigint))", &[&gate])
+            .execute(
+                "SELECT durable_jobs.enqueue_durable_job('gated', jsonb_build_object('gate', $1::bigint))",
+                &[&gate],
+            )
             .unwrap();
     }
     let last: i64 = app_a
@@ -2026,7 +2043,8 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
     // try at the give-back, the wait for it fails). (Before, app_a's job
     // napped 2 s, the lock was asked for during the nap, and held 3 s past the take-over's
     // failure; a stall of either could miss the window. Now each step waits for the last.)
-    let (cluster, mut admin, mut locker, app_b_jobs, mut gate) = app_bs_jobs_behind_a_gate_in_the_worker("", 1);
+    let (cluster, mut admin, mut locker, app_b_jobs, mut gate) =
+        app_bs_jobs_behind_a_gate_in_the_worker("", 1);
     let handed = app_b_jobs[0];
     let locker_pid: i32 = locker.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     let (release, released) = std::sync::mpsc::channel::<()>();
@@ -2039,7 +2057,9 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
     wait_until(Duration::from_secs(20), "the lock asked for behind app_a's batch", || {
         count(
             &mut admin,
-            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {locker_pid} AND wait_event_type = 'Lock'"),
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = {locker_pid} AND wait_event_type = 'Lock'"
+            ),
         ) == 1
     });
     gate.open();
@@ -2047,7 +2067,9 @@ fn a_batch_its_role_runner_cannot_take_over_goes_back_to_the_queue() {
         cluster.server_log().contains("taking over a batch failed with SQLSTATE 55P03")
     });
     wait_until(Duration::from_secs(20), "the worker's first give-back to give up", || {
-        cluster.server_log().contains("giving jobs back waited for a lock past the lock timeout; trying again")
+        cluster
+            .server_log()
+            .contains("giving jobs back waited for a lock past the lock timeout; trying again")
     });
     release.send(()).unwrap();
     holding.join().unwrap();

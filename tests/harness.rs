@@ -419,7 +419,8 @@ impl Gate {
     }
 
     pub fn open(&mut self) {
-        let opened: bool = self.holder.query_one("SELECT pg_advisory_unlock($1)", &[&self.key]).unwrap().get(0);
+        let opened: bool =
+            self.holder.query_one("SELECT pg_advisory_unlock($1)", &[&self.key]).unwrap().get(0);
         assert!(opened, "the gate was closed");
     }
 }
@@ -429,5 +430,8 @@ pub fn waiting_at_gate(client: &mut Client, backend_type: &str, key: i64) -> i64
     let query = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
                  WHERE a.backend_type = $1 AND l.locktype = 'advisory' AND NOT l.granted
                    AND l.classid = 0 AND l.objid = $2::bigint::oid AND l.objsubid = 1";
-    client.query_one(query, &[&backend_type, &key]).unwrap_or_else(|e| panic!("{query}: {}", error_text(&e))).get(0)
+    client
+        .query_one(query, &[&backend_type, &key])
+        .unwrap_or_else(|e| panic!("{query}: {}", error_text(&e)))
+        .get(0)
 }

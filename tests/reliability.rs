@@ -72,7 +72,10 @@ fn a_job_in_flight(cluster: &Cluster, holder: &mut Client, n: i64) -> (i64, i32)
 /// The job `a_job_in_flight` made ran again after its fault and succeeded.
 fn assert_ran_again(client: &mut Client, job_id: i64, scenario: &str) {
     let (state, _, attempts) = harness::job_outcome(client, &format!("job_id = {job_id}"));
-    assert!(state == "succeeded" && attempts >= 2, "{scenario}: the job in flight at the fault: {state}, {attempts} attempts");
+    assert!(
+        state == "succeeded" && attempts >= 2,
+        "{scenario}: the job in flight at the fault: {state}, {attempts} attempts"
+    );
 }
 
 fn enqueue(client: &mut Client, jobs: i64, fail_rate: f64) {

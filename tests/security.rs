@@ -218,7 +218,10 @@ fn no_rust_backtrace_reaches_a_client_or_the_log() {
 
         let log = cluster.server_log();
         for build_detail in ["stack backtrace", "rustc", "/.cargo/"] {
-            assert!(!log.contains(build_detail), "{build_detail:?} in the server log ({extra_conf:?}):\n{log}");
+            assert!(
+                !log.contains(build_detail),
+                "{build_detail:?} in the server log ({extra_conf:?}):\n{log}"
+            );
         }
     }
 }

@@ -84,7 +84,7 @@ fn twenty_waiters_each_return_when_their_jobs_commit_lands() {
             waiters[index].recv_timeout(Duration::from_secs(10)).expect("the waiter returns");
         assert_eq!(state.as_deref(), Some("succeeded"));
         // The commit woke it: a waiter that commits can wake re-reads the job only every 10
-        // seconds (status.rs, WOKEN_RECHECK), so without the wake-up the first job's waiter,
+        // seconds (src/api/status.rs, WOKEN_RECHECK), so without the wake-up the first job's waiter,
         // asleep since just before the first claim, would return some 9 seconds after its
         // commit. Half the re-read interval leaves a loaded machine seconds of slack. (It
         // asserted 500 ms before, a bound a busy machine's scheduling could exceed.)
@@ -425,7 +425,7 @@ fn a_waiter_wakes_when_the_background_worker_commits_or_a_cancel_or_replay_does(
     let mut client = cluster.connect();
     client.batch_execute(RECORD_HANDLER).unwrap();
     // The handler takes a second, so the waiter is asleep before the worker commits; without the
-    // wake-up at that commit it would return at its 10-second re-read (status.rs,
+    // wake-up at that commit it would return at its 10-second re-read (src/api/status.rs,
     // WOKEN_RECHECK), some 9 seconds after finished_at, every time. Half that re-read leaves a
     // loaded machine seconds for the worker's durable commit (it was 0.3 s before).
     client

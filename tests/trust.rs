@@ -23,7 +23,10 @@ fn state_in(client: &mut impl postgres::GenericClient, job_id: i64) -> String {
 fn wait_until_finished(admin: &mut Client, job_id: i64) {
     wait_until(Duration::from_secs(60), &format!("job {job_id} to finish"), || {
         admin
-            .query_one("SELECT finished_at IS NOT NULL FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+            .query_one(
+                "SELECT finished_at IS NOT NULL FROM durable_jobs.durable_job WHERE job_id = $1",
+                &[&job_id],
+            )
             .unwrap()
             .get(0)
     });
@@ -90,10 +93,12 @@ fn a_groups_code_never_runs_as_its_members() {
     // the job available (a lease would show it running in the enqueuing transaction).
     wait_for_the_workers_sleep(&mut admin);
     let mut transaction = alice.transaction().unwrap();
-    let alices_job = enqueue(&mut transaction, "SELECT durable_jobs.enqueue_durable_job('esc_send_report', '{}')");
+    let alices_job =
+        enqueue(&mut transaction, "SELECT durable_jobs.enqueue_durable_job('esc_send_report', '{}')");
     assert_eq!(state_in(&mut transaction, alices_job), "available", "not leased at enqueue");
     transaction.commit().unwrap();
-    let alices_other_job = enqueue(&mut alice, "SELECT durable_jobs.enqueue_durable_job('esc_for_all', '{}')");
+    let alices_other_job =
+        enqueue(&mut alice, "SELECT durable_jobs.enqueue_durable_job('esc_for_all', '{}')");
     // The group's own job of the same kind, enqueued after esc_alice's (job_id and run_after)
     // and never leased at enqueue (enqueue_durable_jobs): the worker claims in that order, so by
     // the time it ended, esc_alice's job would have been claimed had the registration served her.
@@ -102,7 +107,9 @@ fn a_groups_code_never_runs_as_its_members() {
         "SELECT job_id FROM durable_jobs.enqueue_durable_jobs('esc_send_report', ARRAY['{}'::jsonb]) AS job_id",
     );
     wait_until_finished(&mut admin, groups_job);
-    let loot = |admin: &mut Client| -> i64 { admin.query_one("SELECT count(*) FROM esc_app.loot", &[]).unwrap().get(0) };
+    let loot = |admin: &mut Client| -> i64 {
+        admin.query_one("SELECT count(*) FROM esc_app.loot", &[]).unwrap().get(0)
+    };
     assert_eq!(loot(&mut admin), 0, "esc_alice's secret reached the group's table");
     assert_eq!(
         job_outcome(&mut admin, &format!("job_id = {alices_job}")),
@@ -184,7 +191,10 @@ fn an_administrator_granted_the_producers_role_serves_its_jobs() {
     assert_eq!(state_in(&mut transaction, producers_next_job), "running", "leased at enqueue");
     transaction.commit().unwrap();
     wait_until_finished(&mut admin, producers_next_job);
-    assert_eq!(job_outcome(&mut admin, &format!("job_id = {producers_next_job}")), ("succeeded".into(), None, 1));
+    assert_eq!(
+        job_outcome(&mut admin, &format!("job_id = {producers_next_job}")),
+        ("succeeded".into(), None, 1)
+    );
     let sent: Vec<(String, String)> = admin
         .query("SELECT sent_as::text, address FROM app.welcome_mail ORDER BY address", &[])
         .unwrap()
@@ -247,7 +257,8 @@ fn a_membership_revoked_while_a_batch_runs_gives_its_later_jobs_back() {
     wait_until(Duration::from_secs(30), "the first job waiting for the test's lock", || {
         workers_waiting_on(&mut admin, "advisory") == 1
     });
-    let running = "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1";
+    let running =
+        "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'running' AND attempt_count = 1";
     assert_eq!(harness::count(&mut admin, running), 3, "one claim took the three jobs");
     // Committed before the lock goes (one simple query would be one transaction).
     admin.batch_execute("REVOKE rv_producer FROM rv_admin").unwrap();
@@ -256,20 +267,30 @@ fn a_membership_revoked_while_a_batch_runs_gives_its_later_jobs_back() {
     wait_for_the_workers_sleep(&mut admin);
     assert_eq!(job_outcome(&mut admin, &format!("job_id = {}", ids[0])), ("succeeded".into(), None, 1));
     for job_id in &ids[1..] {
-        assert_eq!(job_outcome(&mut admin, &format!("job_id = {job_id}")), ("available".into(), None, 0), "job {job_id}");
+        assert_eq!(
+            job_outcome(&mut admin, &format!("job_id = {job_id}")),
+            ("available".into(), None, 0),
+            "job {job_id}"
+        );
     }
     assert_eq!(harness::metric(&mut admin, "claimed"), 1, "only the job that ran counts as claimed");
     // Granted again, the registration serves them: the next enqueue's commit wakes the worker,
     // whose claim takes them once they are due again (a job given back is, a second later).
     admin.batch_execute("GRANT rv_producer TO rv_admin").unwrap();
     wait_until(Duration::from_secs(30), "the given-back jobs due again", || {
-        harness::count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE run_after > clock_timestamp()") == 0
+        harness::count(
+            &mut admin,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE run_after > clock_timestamp()",
+        ) == 0
     });
     producer
         .execute("SELECT durable_jobs.enqueue_durable_jobs('rv', ARRAY['{\"n\": 4}']::jsonb[])", &[])
         .unwrap();
     wait_until(Duration::from_secs(30), "every job", || {
-        harness::count(&mut admin, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'") == 4
+        harness::count(
+            &mut admin,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'",
+        ) == 4
     });
     assert_eq!(harness::metric(&mut admin, "claimed"), 4);
     assert_eq!(harness::count(&mut admin, "SELECT count(*) FROM public.rv_done"), 4);

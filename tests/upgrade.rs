@@ -8,8 +8,8 @@ use harness::{
     WORKER_CONF,
 };
 use postgres::{Client, GenericClient};
-use std::str::FromStr;
 use std::collections::BTreeSet;
+use std::str::FromStr;
 use std::time::Duration;
 
 const OLDEST_SUPPORTED_VERSION: &str = "0.1.0";
@@ -347,8 +347,9 @@ fn every_release_updates_to_a_fresh_install_of_the_current_version_and_back() {
 #[test]
 fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
     // The database the background workers work in: the update reports nowhere else.
-    let cluster =
-        Cluster::start_without_extension("shared_preload_libraries = 'durable_jobs'\ndurable_jobs.database = 'trust'");
+    let cluster = Cluster::start_without_extension(
+        "shared_preload_libraries = 'durable_jobs'\ndurable_jobs.database = 'trust'",
+    );
     cluster.connect().batch_execute("CREATE DATABASE trust").unwrap();
     let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let collected = warnings.clone();
@@ -398,7 +399,9 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
     let privileges_of = |client: &mut Client| -> String { client.query_one(privileges, &[]).unwrap().get(0) };
     let granted = privileges_of(&mut client);
     assert!(
-        granted.contains("up_monitor=r/") && granted.contains("up_admin=r*/") && granted.contains("handler={up_alice=r/"),
+        granted.contains("up_monitor=r/")
+            && granted.contains("up_admin=r*/")
+            && granted.contains("handler={up_alice=r/"),
         "{granted}"
     );
 
@@ -447,7 +450,11 @@ fn the_update_to_0_6_0_names_the_roles_a_registration_no_longer_serves() {
     assert_eq!(privileges_of(&mut client), granted, "the update keeps the view's grants");
 
     client.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").unwrap();
-    assert_eq!(privileges_of(&mut client), granted, "the way back keeps the view's grants and initial privileges");
+    assert_eq!(
+        privileges_of(&mut client),
+        granted,
+        "the way back keeps the view's grants and initial privileges"
+    );
     assert!(warnings.lock().unwrap().is_empty());
 }
 

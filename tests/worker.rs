@@ -3,8 +3,8 @@
 //! handlers with the enqueuing role's rights.
 
 use harness::{
-    count, job_outcome, metric, sqlstate, wait_for_the_workers_sleep, wait_until, workers_waiting_on, Cluster,
-    WORKER_CONF,
+    count, job_outcome, metric, sqlstate, wait_for_the_workers_sleep, wait_until, workers_waiting_on,
+    Cluster, WORKER_CONF,
 };
 use postgres::Client;
 use std::time::Duration;
@@ -418,8 +418,10 @@ fn a_crash_right_after_the_claim_keeps_the_claim_and_its_attempt() {
         // (the claim after a checkpoint is flushed, by design: its unflushed WAL crosses a page).
         let before_crash: std::time::SystemTime =
             client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
-        let unflushed: bool =
-            client.query_one("SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()", &[]).unwrap().get(0);
+        let unflushed: bool = client
+            .query_one("SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()", &[])
+            .unwrap()
+            .get(0);
         assert!(
             unflushed || after_a_checkpoint,
             "the claim's WAL was flushed before the crash: the test would prove nothing"
@@ -1192,13 +1194,19 @@ fn an_enqueue_leases_its_job_to_a_sleeping_worker_which_runs_it_without_a_claim(
             count(&mut client, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {job_id} AND job_state = 'succeeded'")) == 1
         });
         wait_for_the_workers_sleep(&mut client);
-        let version = count(&mut client, &format!("SELECT state_version FROM durable_jobs.durable_job WHERE job_id = {job_id}"));
+        let version = count(
+            &mut client,
+            &format!("SELECT state_version FROM durable_jobs.durable_job WHERE job_id = {job_id}"),
+        );
         // Handed over: leased (2), succeeded (3). Made available at the commit: 3, claimed 4, 5.
         if version == 3 {
             handed = Some(n);
             break;
         }
-        assert!(took > Duration::from_millis(100), "a quick enqueue ({took:?}) was not handed over: state_version {version}");
+        assert!(
+            took > Duration::from_millis(100),
+            "a quick enqueue ({took:?}) was not handed over: state_version {version}"
+        );
     }
     let handed = handed.expect("no enqueue in five was quick enough to be handed over");
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), handed);
@@ -1214,7 +1222,9 @@ fn an_enqueue_leases_its_job_to_a_sleeping_worker_which_runs_it_without_a_claim(
              COMMIT;",
         )
         .unwrap();
-    wait_until(Duration::from_secs(30), "the two jobs", || jobs_in_state(&mut client, "succeeded") == handed + 2);
+    wait_until(Duration::from_secs(30), "the two jobs", || {
+        jobs_in_state(&mut client, "succeeded") == handed + 2
+    });
     wait_for_the_workers_sleep(&mut client);
     assert_eq!(worker_claim_statistics(&mut client).2, 2, "jobs the worker's claims returned");
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects WHERE n IN (12, 13)"), 2);
@@ -1361,7 +1371,7 @@ fn prepared_transactions_and_savepoints_leave_no_lease_behind() {
     assert_eq!(job_state_in(&mut client, job_id), "running");
     client.batch_execute("PREPARE TRANSACTION 'enqueued'").unwrap();
     // Committed from another session, as a transaction manager does. Its commit wakes no worker
-    // (see wakeup.rs): the next enqueue does, from the session that prepared (nothing of the
+    // (see src/jobs/wakeup.rs): the next enqueue does, from the session that prepared (nothing of the
     // prepared transaction's is left in it), and that job, handed over, runs first.
     cluster.connect().batch_execute("COMMIT PREPARED 'enqueued'").unwrap();
     let enqueue = "SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 4}')";

@@ -1,6 +1,6 @@
 //! The executor and utility hooks of a preloaded library: they count how deep executors and
 //! utility commands nest, which tells a client's own statement from the queries of cursors,
-//! functions and utility commands (wait_horizon.rs), and wake the waiters after COMMIT PREPARED.
+//! functions and utility commands (`jobs::wait_horizon`), and wake the waiters after COMMIT PREPARED.
 
 use crate::jobs::waiters;
 use pgrx::pg_sys;

@@ -340,7 +340,7 @@ pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str =
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
 // runs it skipping held rows first, then for each held row alone, under its short wait for it
-// (see `RowWaits` in execution.rs).
+// (see `RowWaits` in `worker::execution`).
 macro_rules! complete_batch_statement {
     ($lock:literal) => {
         concat!(

@@ -7,7 +7,7 @@
 //! read again; the wait's own reads take a fresh snapshot each time (plans::with_fresh_snapshot),
 //! which advertises a new xmin. That holds when all of these do:
 //! - this call is the whole statement: the client's own statement (not a cursor's, a
-//!   function's, a trigger's or a utility command's query: hooks.rs, and its rows go to the
+//!   function's, a trigger's or a utility command's query: `jobs::hooks`, and its rows go to the
 //!   client), whose plan is only a scan of this one call, projecting its columns, with no
 //!   filter and no subquery. Its arguments were evaluated before the call, and once it returns
 //!   nothing reads with the statement's snapshot: the rows it returns were formed whole

@@ -141,7 +141,7 @@ pub fn wake_waiters_at_commit(job_ids: impl IntoIterator<Item = i64>, change: Ch
     if !first {
         return;
     }
-    // A prepared transaction's waiters wake at its COMMIT PREPARED (hooks.rs), every one of them.
+    // A prepared transaction's waiters wake at its COMMIT PREPARED (`jobs::hooks`), every one of them.
     at_commit_or_forget(
         || {
             let changed = CHANGED.with(|changed| std::mem::take(&mut *changed.borrow_mut()));

@@ -38,7 +38,7 @@ pub(crate) const LOAD_JOBS: &str = concat!(
          AS c(job_id, lease_token)
     JOIN durable_jobs.durable_job j ON j.job_id = c.job_id AND j.lease_token = c.lease_token
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
-    -- The token is the state check (see lease_fence in lease.rs).
+    -- The token is the state check (see lease_fence in jobs/statements.rs).
     WHERE j.job_id = ANY ($1) AND j.lease_owner = $3"
 );
 
