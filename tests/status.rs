@@ -559,3 +559,50 @@ fn a_change_to_a_job_of_another_database_wakes_no_waiter_here() {
         .get(0);
     assert!((1..=3).contains(&reads), "{reads} reads of the job by its waiter");
 }
+
+/// A wait for a job whose last change is the waiting transaction's own, uncommitted, raises
+/// 25000 at once: nothing can change the job before that commit. Before, `SELECT ... FROM
+/// wait_for_durable_job(enqueue_durable_job(...), NULL, 5)` slept out its 5 s and returned
+/// `available` (broken on purpose, the check left out, each of the first three calls returned a
+/// row instead of the error). A change rolled back to a savepoint is no change of its own: that
+/// wait sleeps and returns the row as before.
+#[test]
+fn a_wait_for_a_job_its_own_transaction_changed_raises_at_once() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    let error = client
+        .query(
+            "SELECT job_state FROM durable_jobs.wait_for_durable_job(
+                 durable_jobs.enqueue_durable_job('external', '{}'), NULL, 5)",
+            &[],
+        )
+        .expect_err("an enqueue and its wait in one statement");
+    assert_eq!(sqlstate(&error), "25000", "{}", harness::error_text(&error));
+    assert!(harness::error_text(&error).contains("cannot wait for a job this transaction changed"));
+    let job_id = enqueue(&mut client, "external");
+    // Changed in a subtransaction, still open or released: the transaction's own.
+    for change in [
+        "SELECT durable_jobs.cancel_durable_job($1)",
+        "SELECT 1 FROM durable_jobs.claim_next_durable_job('me', NULL, 60) WHERE job_id = $1",
+    ] {
+        let mut transaction = client.transaction().unwrap();
+        transaction.batch_execute("SAVEPOINT inner").unwrap();
+        assert_eq!(transaction.query(change, &[&job_id]).unwrap().len(), 1, "{change}");
+        transaction.batch_execute("RELEASE SAVEPOINT inner").unwrap();
+        let error = transaction
+            .query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 5)", &[&job_id])
+            .map(|rows| rows.len())
+            .expect_err(change);
+        assert_eq!(sqlstate(&error), "25000", "{change}");
+        transaction.rollback().unwrap();
+    }
+    let mut transaction = client.transaction().unwrap();
+    transaction.batch_execute("SAVEPOINT inner").unwrap();
+    transaction.query("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    transaction.batch_execute("ROLLBACK TO SAVEPOINT inner").unwrap();
+    let rows = transaction
+        .query("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 0.2)", &[&job_id])
+        .unwrap();
+    assert_eq!(rows.iter().map(|row| row.get::<_, String>(0)).collect::<Vec<_>>(), ["available"]);
+    transaction.rollback().unwrap();
+}

@@ -35,7 +35,8 @@ macro_rules! visible_to_caller {
 const GET_WITH_VERSION: &str = concat!(
     "SELECT ROW(",
     status_columns!(),
-    ")::durable_jobs.durable_job_status, j.job_state, j.state_version
+    ")::durable_jobs.durable_job_status, j.job_state, j.state_version,
+           j.xmin::pg_catalog.text::pg_catalog.int8
     FROM durable_jobs.durable_job j
     WHERE j.job_id = $1 AND ",
     visible_to_caller!()
@@ -58,11 +59,13 @@ fn sees_all_jobs(caller: &Caller, owner: pg_sys::Oid) -> bool {
 #[search_path(pg_catalog, pg_temp)]
 fn get_durable_job(job_id: Option<i64>) -> SetOfIterator<'static, JobStatusRow> {
     let job_id = arguments::required(job_id, "job_id");
-    SetOfIterator::new(read_job_with_version(job_id).map(|(row, _, _)| row))
+    SetOfIterator::new(read_job_with_version(job_id).map(|(row, ..)| row))
 }
 
-/// The job's status row, if the current role sees the job, with its state and state_version.
-fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
+/// The job's status row, if the current role sees the job, with its state and state_version,
+/// and whether its last change is this transaction's own, uncommitted (its row version was
+/// written by this transaction or one of its subtransactions).
+fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64, bool)> {
     let caller = caller();
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
@@ -77,6 +80,11 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64)> {
                     row.get::<JobStatusRow>(1).unwrap().expect("a status row"),
                     row.get::<String>(2).unwrap().expect("job_state"),
                     row.get::<i64>(3).unwrap().expect("state_version"),
+                    unsafe {
+                        pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(
+                            row.get::<i64>(4).unwrap().expect("xmin") as u32,
+                        ))
+                    },
                 )
             })
         })
@@ -123,7 +131,8 @@ fn wait_for_durable_job(
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
     let row = loop {
-        let Some((row, state, version)) = without_keeping_locks(|| read_job_with_version(job_id)) else {
+        let Some((row, state, version, own_change)) = without_keeping_locks(|| read_job_with_version(job_id))
+        else {
             break None;
         };
         let changed = match known_version {
@@ -133,6 +142,16 @@ fn wait_for_durable_job(
         let now = Instant::now();
         if changed || now >= deadline {
             break Some(row);
+        }
+        if own_change {
+            // Nothing can change the job before this transaction commits (its row is this
+            // transaction's): the wait would only sleep out its timeout.
+            ereport!(
+                ERROR,
+                PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
+                "wait_for_durable_job cannot wait for a job this transaction changed",
+                "Commit the change first, then wait in another transaction."
+            );
         }
         // On a standby, changes arrive by WAL replay, which runs no commit of ours to wake anyone.
         let woken = slot.is_woken_at_commit() && !unsafe { pg_sys::RecoveryInProgress() };
