@@ -2190,3 +2190,65 @@ fn handlers_get_their_payloads_from_the_claim_without_a_second_read() {
         "the load statement's runs"
     );
 }
+
+/// A completion that gives up waiting for its job's row (another session holds it: here a
+/// transaction that cancelled the job and stays open, then rolls back) is the worker's own
+/// failure, not the handler's: the handler's write rolls back, the job is left to its lease and
+/// runs again, and nothing is recorded, counted or logged as the handler's failure. Failed
+/// before: the lock timeout (55P03) was taken for the handler's error, logged as such, and the
+/// job retried as `target_unavailable` with `last_failure_sqlstate` 55P03 (broken on purpose, the
+/// worker's own error taken for the handler's again, the log check fails).
+#[test]
+fn a_completion_that_gives_up_waiting_for_its_row_is_not_blamed_on_the_handler() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.lease_duration = 8\ndurable_jobs.log_handler_errors = on\n"
+    ));
+    let mut client = cluster.connect();
+    let mut gate = harness::Gate::closed(&cluster, 4251);
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.effects (n integer);
+             CREATE FUNCTION public.gated_write(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
+                 PERFORM {};
+             END $$;
+             SELECT durable_jobs.register_durable_job_handler('gated_write', 'public.gated_write(jsonb)');",
+            harness::Gate::pass(4251)
+        ))
+        .unwrap();
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('gated_write', '{\"n\": 1}', max_attempts => 2)", &[])
+        .unwrap()
+        .get(0);
+    wait_until(Duration::from_secs(20), "the handler at the gate", || {
+        harness::waiting_at_gate(&mut client, "durable_jobs worker", 4251) == 1
+    });
+    let mut holder = cluster.connect();
+    let mut holding = holder.transaction().unwrap();
+    let cancelled: bool =
+        holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+    assert!(cancelled, "the cancel holds the job's row");
+    gate.open();
+    let blamed = format!("job {job_id} (kind gated_write");
+    wait_until(Duration::from_secs(30), "the worker to give up on the job's row", || {
+        let log = cluster.server_log();
+        log.contains(&format!("completing job {job_id} failed with SQLSTATE 55P03")) || log.contains(&blamed)
+    });
+    holding.rollback().unwrap();
+    wait_until(Duration::from_secs(60), "the job to end", || {
+        !matches!(job_outcome(&mut client, &format!("job_id = {job_id}")).0.as_str(), "running" | "available")
+    });
+    let log = cluster.server_log();
+    assert!(!log.contains(&blamed), "the worker's own error was logged as the handler's:\n{log}");
+    assert_eq!(job_outcome(&mut client, &format!("job_id = {job_id}")), ("succeeded".to_owned(), None, 2));
+    assert_eq!(
+        count(
+            &mut client,
+            &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {job_id} AND last_failure_sqlstate IS NULL")
+        ),
+        1
+    );
+    assert_eq!(harness::table_rows(&mut client, "public.effects", "n"), ["(1)"], "one effect");
+    assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
+}

@@ -347,9 +347,13 @@ fn run_job(
         // created again (a registration keeps the signature): a retry resolves it anew.
         return Outcome::Failed(FailureCode::TargetUnavailable, None);
     }
+    // Set once the handler returned: an error after that is the worker's own (its completion
+    // gave up waiting for the job's row, say), never the handler's.
+    let handler_returned = std::cell::Cell::new(false);
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
+        handler_returned.set(true);
         match completion {
             Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
             Completion::PerJob => {
@@ -362,6 +366,18 @@ fn run_job(
         Ok(true) if completion == Completion::Batched => return Outcome::Pending,
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
+        Err(error) if handler_returned.get() => {
+            // The fenced completion failed, not the handler: another session held the job's row
+            // past the worker's wait (an open transaction that cancelled it, a claimer's lock),
+            // or a deadlock with it. The handler's writes went with the subtransaction; the job
+            // is left to its lease, as a lease lost, and claimed again when that expires.
+            log!(
+                "durable_jobs worker: completing job {job_id} failed with SQLSTATE {}; its handler's writes \
+                 were rolled back and it is claimed again when its lease expires",
+                error.sqlstate()
+            );
+            tally.count(Counter::Stale);
+        }
         Err(error) => {
             if crate::pg::settings::LOG_HANDLER_ERRORS.get() {
                 // The handler's own message: it may quote what the handler put in it, never
