@@ -668,9 +668,9 @@ fn the_worker_can_run_as_a_role_that_is_not_a_superuser() {
 
 /// A worker role with no rights of its own runs the handlers of a schema it may not use: the
 /// worker resolves a handler as the extension owner, and runs it as its enqueuer. Failed before
-/// the fix: a batch run from its claim's rows resolved the handler as the
-/// worker role, so at claim_batch_size 1 every job failed as `target_rejected` (42501), and at 5
-/// every batch failed as a whole before running again job by job.
+/// the fix: a batch run from its claim's rows resolved the handler as the worker role, so at
+/// claim_batch_size 1 every job failed as `target_rejected` (42501), and at 5 every batch failed
+/// as a whole before running again job by job.
 #[test]
 fn a_worker_role_without_rights_runs_handlers_of_a_schema_it_may_not_use() {
     let (cluster, mut client) = cluster_with_unprivileged_worker("");
@@ -1114,10 +1114,9 @@ fn the_jobs_of_a_later_role_in_a_claim_keep_their_leases() {
 fn a_handler_cancelling_an_earlier_job_of_its_batch_costs_no_job_its_lease() {
     // As above, and app_a's second slow job cancels the first, which succeeded just before it in
     // the same batch: that job is done by then (the cancel finds nothing to cancel), and every
-    // job, app_b's too, succeeds on its first attempt. Failed before the fix: the
-    // first job's success waited for the end of the batch, the cancel
-    // made the batch rerun after its renewals were rolled back, and the claim's leases had
-    // lapsed by then: every job lost its attempt.
+    // job, app_b's too, succeeds on its first attempt. Failed before the fix: the first job's
+    // success waited for the end of the batch, the cancel made the batch rerun after its renewals
+    // were rolled back, and the claim's leases had lapsed by then: every job lost its attempt.
     let cluster = Cluster::start(&format!(
         "{WORKER_CONF}durable_jobs.claim_batch_size = 10\ndurable_jobs.lease_duration = 4\n"
     ));
@@ -2210,8 +2209,8 @@ fn a_session_bound_to_a_role_runs_no_job_of_a_new_role_of_the_same_name() {
 fn a_session_of_an_unprivileged_worker_runs_no_job_of_a_new_role_of_the_same_name() {
     // The same with a worker that logs in as a role that is not a superuser: its sessions' user
     // stays that role, but they are bound to their first role's oid all the same. Failed before:
-    // bound by name, the runner ran the new app_b's job in the session
-    // whose PL/pgSQL caches app_b_old's handlers had filled, and the worker the new app_a's.
+    // bound by name, the runner ran the new app_b's job in the session whose PL/pgSQL caches
+    // app_b_old's handlers had filled, and the worker the new app_a's.
     let (cluster, mut admin) = cluster_with_unprivileged_worker("");
     admin.batch_execute(APP_ROLES).unwrap();
     admin.batch_execute(WHO_HANDLER).unwrap();

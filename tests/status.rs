@@ -563,9 +563,10 @@ fn a_change_to_a_job_of_another_database_wakes_no_waiter_here() {
 /// A wait for a job whose last change is the waiting transaction's own, uncommitted, raises
 /// 25000 at once: nothing can change the job before that commit. Before, `SELECT ... FROM
 /// wait_for_durable_job(enqueue_durable_job(...), NULL, 5)` slept out its 5 s and returned
-/// `available` (broken on purpose, the check left out, each of the first three calls returned a
-/// row instead of the error). A change rolled back to a savepoint is no change of its own: that
-/// wait sleeps and returns the row as before.
+/// `available` (broken on purpose, the check left out, the first two calls returned a row
+/// instead of the error). A job already changed past the version the waiter knows returns at
+/// once, as before; and a change rolled back to a savepoint is none of the transaction's: that
+/// wait sleeps its timeout and returns the row.
 #[test]
 fn a_wait_for_a_job_its_own_transaction_changed_raises_at_once() {
     let cluster = Cluster::start(PRELOADED);
@@ -578,27 +579,34 @@ fn a_wait_for_a_job_its_own_transaction_changed_raises_at_once() {
         )
         .expect_err("an enqueue and its wait in one statement");
     assert_eq!(sqlstate(&error), "25000", "{}", harness::error_text(&error));
-    assert!(harness::error_text(&error).contains("cannot wait for a job this transaction changed"));
+    assert!(harness::error_text(&error).contains("last change is this transaction's own"));
     let job_id = enqueue(&mut client, "external");
-    // Changed in a subtransaction, still open or released: the transaction's own.
-    for change in [
-        "SELECT durable_jobs.cancel_durable_job($1)",
-        "SELECT 1 FROM durable_jobs.claim_next_durable_job('me', NULL, 60) WHERE job_id = $1",
-    ] {
-        let mut transaction = client.transaction().unwrap();
-        transaction.batch_execute("SAVEPOINT inner").unwrap();
-        assert_eq!(transaction.query(change, &[&job_id]).unwrap().len(), 1, "{change}");
-        transaction.batch_execute("RELEASE SAVEPOINT inner").unwrap();
-        let error = transaction
-            .query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 5)", &[&job_id])
-            .map(|rows| rows.len())
-            .expect_err(change);
-        assert_eq!(sqlstate(&error), "25000", "{change}");
-        transaction.rollback().unwrap();
-    }
+    let claim = "SELECT count(*) FROM durable_jobs.claim_next_durable_job('me', NULL, 60) WHERE job_id = $1";
+    let version = "SELECT state_version FROM durable_jobs.get_durable_job($1)";
+    // Claimed in a subtransaction since released: the transaction's own change.
+    let mut transaction = client.transaction().unwrap();
+    let known: i64 = transaction.query_one(version, &[&job_id]).unwrap().get(0);
+    transaction.batch_execute("SAVEPOINT inner").unwrap();
+    assert_eq!(transaction.query_one(claim, &[&job_id]).unwrap().get::<_, i64>(0), 1);
+    transaction.batch_execute("RELEASE SAVEPOINT inner").unwrap();
+    let error = transaction
+        .query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 5)", &[&job_id])
+        .map(|rows| rows.len())
+        .expect_err("a wait for a job claimed in its own transaction");
+    assert_eq!(sqlstate(&error), "25000");
+    transaction.rollback().unwrap();
+    // Changed past the version the waiter knows: the row at once, own change or not.
+    let mut transaction = client.transaction().unwrap();
+    assert_eq!(transaction.query_one(claim, &[&job_id]).unwrap().get::<_, i64>(0), 1);
+    let rows = transaction
+        .query("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, $2, 5)", &[&job_id, &known])
+        .unwrap();
+    assert_eq!(rows.iter().map(|row| row.get::<_, String>(0)).collect::<Vec<_>>(), ["running"]);
+    transaction.rollback().unwrap();
+    // Claimed in a subtransaction rolled back: no change of the transaction's.
     let mut transaction = client.transaction().unwrap();
     transaction.batch_execute("SAVEPOINT inner").unwrap();
-    transaction.query("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap();
+    assert_eq!(transaction.query_one(claim, &[&job_id]).unwrap().get::<_, i64>(0), 1);
     transaction.batch_execute("ROLLBACK TO SAVEPOINT inner").unwrap();
     let rows = transaction
         .query("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 0.2)", &[&job_id])

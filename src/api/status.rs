@@ -64,7 +64,9 @@ fn get_durable_job(job_id: Option<i64>) -> SetOfIterator<'static, JobStatusRow> 
 
 /// The job's status row, if the current role sees the job, with its state and state_version,
 /// and whether its last change is this transaction's own, uncommitted (its row version was
-/// written by this transaction or one of its subtransactions).
+/// written by this transaction or one of its subtransactions). The raw xmin is read: a row left
+/// unchanged for some four billion transactions (frozen) could take a current xid for its own,
+/// a wait then raising where it would sleep.
 fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64, bool)> {
     let caller = caller();
     as_extension_owner_of(|installed| {
@@ -149,8 +151,8 @@ fn wait_for_durable_job(
             ereport!(
                 ERROR,
                 PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
-                "wait_for_durable_job cannot wait for a job this transaction changed",
-                "Commit the change first, then wait in another transaction."
+                "wait_for_durable_job cannot wait for a job whose last change is this transaction's own, not committed yet",
+                "Nothing can change the job before this transaction commits: commit first, then wait."
             );
         }
         // On a standby, changes arrive by WAL replay, which runs no commit of ours to wake anyone.

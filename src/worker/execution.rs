@@ -347,18 +347,20 @@ fn run_job(
         // created again (a registration keeps the signature): a retry resolves it anew.
         return Outcome::Failed(FailureCode::TargetUnavailable, None);
     }
-    // Set once the handler returned: an error after that is the worker's own (its completion
-    // gave up waiting for the job's row, say), never the handler's.
-    let handler_returned = std::cell::Cell::new(false);
+    // Set while the worker completes the job after its handler returned: a wait of the
+    // completion's given up there is the worker's, never the handler's.
+    let completing = std::cell::Cell::new(false);
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
-        handler_returned.set(true);
         match completion {
             Completion::Batched => job.lease_expires_unix_us > now_unix_us(),
             Completion::PerJob => {
                 let _ = RowWaits::new(job.lease_expires_unix_us, margin_ms).arm();
-                lease::complete_job(job_id, worker_id, lease_token) == "succeeded"
+                completing.set(true);
+                let completed = lease::complete_job(job_id, worker_id, lease_token) == "succeeded";
+                completing.set(false);
+                completed
             }
         }
     });
@@ -366,14 +368,14 @@ fn run_job(
         Ok(true) if completion == Completion::Batched => return Outcome::Pending,
         Ok(true) => tally.count(Counter::Succeeded),
         Ok(false) => tally.count(Counter::Stale),
-        Err(error) if handler_returned.get() => {
-            // The fenced completion failed, not the handler: another session held the job's row
+        Err(error) if completing.get() && gave_up_waiting(&error) => {
+            // The fenced completion gave up, not the handler: another session held the job's row
             // past the worker's wait (an open transaction that cancelled it, a claimer's lock),
             // or a deadlock with it. The handler's writes went with the subtransaction; the job
             // is left to its lease, as a lease lost, and claimed again when that expires.
             log!(
-                "durable_jobs worker: completing job {job_id} failed with SQLSTATE {}; its handler's writes \
-                 were rolled back and it is claimed again when its lease expires",
+                "durable_jobs worker: completing job {job_id} gave up waiting for its row (SQLSTATE {}); its \
+                 handler's writes were rolled back and it is claimed again when its lease expires",
                 error.sqlstate()
             );
             tally.count(Counter::Stale);

@@ -210,6 +210,10 @@ pub(crate) fn as_enqueuer(role: pg_sys::Oid, timeout_ms: i64, f: impl FnOnce()) 
             enable_timeout_after(watchdog, watchdog_ms);
         });
         f();
+        // A statement timeout that fired as the handler ended (one that checks for interrupts
+        // seldom, in C or another language) is the handler's: raised here, not in whatever
+        // statement of the worker's comes next.
+        pg_sys::check_for_interrupts!();
         disarm_statement_timeout();
         pg_sys::AtEOXact_GUC(false, level);
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
