@@ -586,9 +586,9 @@ fn a_wait_for_a_job_its_own_transaction_changed_raises_at_once() {
     // Claimed in a subtransaction since released: the transaction's own change.
     let mut transaction = client.transaction().unwrap();
     let known: i64 = transaction.query_one(version, &[&job_id]).unwrap().get(0);
-    transaction.batch_execute("SAVEPOINT inner").unwrap();
+    transaction.batch_execute("SAVEPOINT step").unwrap();
     assert_eq!(transaction.query_one(claim, &[&job_id]).unwrap().get::<_, i64>(0), 1);
-    transaction.batch_execute("RELEASE SAVEPOINT inner").unwrap();
+    transaction.batch_execute("RELEASE SAVEPOINT step").unwrap();
     let error = transaction
         .query("SELECT * FROM durable_jobs.wait_for_durable_job($1, NULL, 5)", &[&job_id])
         .map(|rows| rows.len())
@@ -605,12 +605,16 @@ fn a_wait_for_a_job_its_own_transaction_changed_raises_at_once() {
     transaction.rollback().unwrap();
     // Claimed in a subtransaction rolled back: no change of the transaction's.
     let mut transaction = client.transaction().unwrap();
-    transaction.batch_execute("SAVEPOINT inner").unwrap();
+    transaction.batch_execute("SAVEPOINT step").unwrap();
     assert_eq!(transaction.query_one(claim, &[&job_id]).unwrap().get::<_, i64>(0), 1);
-    transaction.batch_execute("ROLLBACK TO SAVEPOINT inner").unwrap();
-    let rows = transaction
-        .query("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, NULL, 0.2)", &[&job_id])
-        .unwrap();
-    assert_eq!(rows.iter().map(|row| row.get::<_, String>(0)).collect::<Vec<_>>(), ["available"]);
+    transaction.batch_execute("ROLLBACK TO SAVEPOINT step").unwrap();
+    for known in [None, Some(known)] {
+        // NULL waits for a terminal state, a known version for another: until the timeout here,
+        // then the current row anyway.
+        let rows = transaction
+            .query("SELECT job_state FROM durable_jobs.wait_for_durable_job($1, $2, 0.2)", &[&job_id, &known])
+            .unwrap();
+        assert_eq!(rows.iter().map(|row| row.get::<_, String>(0)).collect::<Vec<_>>(), ["available"]);
+    }
     transaction.rollback().unwrap();
 }
