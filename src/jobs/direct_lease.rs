@@ -1,6 +1,8 @@
 //! Direct leases: an enqueue that finds a worker asleep leases its job to that worker in its own
 //! INSERT and hands the job over when it commits; the worker wakes and runs it without a claim
-//! of its own. This is the enqueuing backend's side; the workers' words are in `sleepers`.
+//! of its own. This is the enqueuing backend's side; the workers' words are in `sleepers`. (A
+//! little over 400 lines: the reservation, its withdrawals and the hand-over at commit are one
+//! protocol.)
 //!
 //! Waking with a reservation that is not committing yet cancels it: the enqueuer then makes its
 //! job available again before it commits, as it does when its transaction ran on more than

@@ -6,8 +6,10 @@
 //! exactly when the job is marked succeeded and are rolled back when the lease was lost: right
 //! after the handler in its subtransaction, or, early in a batch, together with the other jobs
 //! that succeeded (see `Completion`). On error the subtransaction is rolled back and the job is
-//! failed, fenced, with the stable code of the error's SQLSTATE. Whatever a handler could leave
-//! in the session is cleared before the next job runs.
+//! failed, fenced, with the stable code of the error's SQLSTATE; a completion that gives up
+//! waiting for the job's row is the worker's failure, not the handler's. Whatever a handler could
+//! leave in the session is cleared before the next job runs. (A little over 400 lines: a batch's
+//! runs, renewals and completions share the timing of its leases.)
 
 use super::load::{load_jobs, loaded_from_claim, now_unix_us, release_in_batch, ClaimedRows, LoadedJob};
 use super::sandbox::{

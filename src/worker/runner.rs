@@ -1,4 +1,5 @@
-//! Role runners: one session never runs the handlers of two roles.
+//! Role runners: one session never runs the handlers of two roles. (A little over 400 lines:
+//! both sides of the hand-over, the worker's and the runner's, read best together.)
 //!
 //! A session keeps caches that PostgreSQL does not key by role: PL/pgSQL compiles a function
 //! once per session, resolving the type names in its declarations with the search_path of its
