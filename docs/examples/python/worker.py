@@ -1,17 +1,20 @@
 """An external durable_jobs worker in Python (psycopg 3).
 
-Loop: claim a job -> work on it while a heartbeat extends the lease -> complete it in the same
-transaction as its effects, or fail it with a stable failure code. SIGTERM (or Ctrl-C) stops it
-cleanly: the job in hand is finished first, and nothing new is claimed.
+Loop: claim a job -> check its payload -> do the slow part of the work while a heartbeat extends
+the lease, with no transaction open -> write its effects and complete it in one short
+transaction, or fail it with a stable failure code. SIGTERM (or Ctrl-C) stops it cleanly: the
+job in hand is finished first, and nothing new is claimed.
 
     DURABLE_JOBS_DSN="host=localhost port=5433 dbname=postgres user=app_worker password=worker-secret" \
         python3 worker.py
 
 docs/runbook.md, "Roles and privileges", creates that role with what it needs: EXECUTE on
 claim_next_durable_job, complete_durable_job, fail_durable_job and extend_durable_job_lease, the
-table public.greetings (name text) and INSERT on it. This example's work: kind `greet` (the only
-kind it claims) inserts payload["name"] into public.greetings, after sleeping payload["seconds"]
-(default 0) to stand for slow work.
+table public.postcards (name text) and INSERT on it. This example's work: kind `postcard` (the
+only kind it claims; no handler is registered for it, so the background worker leaves it alone)
+inserts payload["name"], a string, into public.postcards, after sleeping payload["seconds"] (a
+number, default 0) to stand for slow work. Any other payload fails as `invalid_request`, as in
+the Rust example.
 """
 
 import os
@@ -24,7 +27,7 @@ import psycopg
 
 LEASE_SECONDS = int(os.environ.get("DURABLE_JOBS_LEASE_SECONDS", "30"))
 # The claim takes only these kinds: a worker never touches work it cannot do.
-HANDLED_KINDS = ["greet"]
+HANDLED_KINDS = ["postcard"]
 IDLE_SLEEP = 0.2
 
 
@@ -40,14 +43,21 @@ class TransientFailure(Exception):
     code = "target_unavailable"
 
 
-def do_work(conn, job_kind, payload):
-    """Runs inside the transaction that completes the job, so its writes commit with it."""
-    if "name" not in payload:
-        raise PermanentFailure("a greet job needs a name")
+def checked(payload):
+    """The payload's name and seconds, or PermanentFailure when it is not what a postcard job takes."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        raise PermanentFailure("a postcard job needs a name, a string")
+    seconds = payload.get("seconds", 0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise PermanentFailure("seconds must be a number")
     if payload.get("fail") == "transient":
         raise TransientFailure("the target is down")
-    time.sleep(float(payload.get("seconds", 0)))
-    conn.execute("INSERT INTO public.greetings (name) VALUES (%s)", (payload["name"],))
+    return payload["name"], float(seconds)
+
+
+def write_effects(conn, name):
+    """Runs inside the transaction that completes the job, so its writes commit with it."""
+    conn.execute("INSERT INTO public.postcards (name) VALUES (%s)", (name,))
 
 
 class Heartbeat(threading.Thread):
@@ -88,8 +98,11 @@ def run_one(dsn, conn, worker_id):
     heartbeat = Heartbeat(dsn, job_id, worker_id, lease_token)
     heartbeat.start()
     try:
+        name, seconds = checked(payload)
+        # The slow part, with no transaction open: an open one would hold back vacuum for as long.
+        time.sleep(seconds)
         with conn.transaction() as txn:
-            do_work(conn, job_kind, payload)
+            write_effects(conn, name)
             outcome = conn.execute(
                 "SELECT durable_jobs.complete_durable_job(%s, %s, %s)", (job_id, worker_id, lease_token)
             ).fetchone()[0]

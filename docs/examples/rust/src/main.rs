@@ -1,7 +1,8 @@
 //! An external durable_jobs worker in Rust, with the synchronous `postgres` crate.
 //!
-//! Loop: claim a job -> work on it while a heartbeat thread extends the lease -> complete it in
-//! the same transaction as its effects, or fail it with a stable failure code. SIGTERM (or
+//! Loop: claim a job -> check its payload -> do the slow part of the work while a heartbeat thread
+//! extends the lease, with no transaction open -> write its effects and complete it in one short
+//! transaction, or fail it with a stable failure code. SIGTERM (or
 //! Ctrl-C) stops it cleanly: the job in hand is finished first, and nothing new is claimed.
 //!
 //!     DURABLE_JOBS_DSN="host=localhost port=5433 dbname=postgres user=app_worker password=worker-secret" \
@@ -9,9 +10,11 @@
 //!
 //! docs/runbook.md, "Roles and privileges", creates that role with what it needs: EXECUTE on
 //! claim_next_durable_job, complete_durable_job, fail_durable_job and extend_durable_job_lease,
-//! the table public.greetings (name text) and INSERT on it. This example's work: kind `greet`
-//! (the only kind it claims) inserts payload["name"] into public.greetings, after sleeping
-//! payload["seconds"] (default 0) to stand for slow work.
+//! the table public.postcards (name text) and INSERT on it. This example's work: kind `postcard`
+//! (the only kind it claims; no handler is registered for it, so the background worker leaves it
+//! alone) inserts payload["name"], a string, into public.postcards, after sleeping
+//! payload["seconds"] (a number, default 0) to stand for slow work. Any other payload fails as
+//! `invalid_request`, as in the Python example.
 
 use postgres::{Client, NoTls, Transaction};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,26 +40,35 @@ impl Failure {
     }
 }
 
-/// Runs inside the transaction that completes the job, so its writes commit with it.
 /// The claim takes only these kinds: a worker never touches work it cannot do.
-const HANDLED_KINDS: [&str; 1] = ["greet"];
+const HANDLED_KINDS: [&str; 1] = ["postcard"];
 
-/// The work of a `greet` job, the only kind claimed.
-fn do_work(txn: &mut Transaction, payload: &str) -> Result<(), Failure> {
-    let row = txn
+/// A `postcard` job's name and seconds, or `Permanent` when its payload is not what the kind
+/// takes: an object whose `name` is a string and whose `seconds`, if any, a number. Read with
+/// the server's jsonb functions, in no transaction of ours.
+fn checked(client: &mut Client, payload: &str) -> Result<(String, f64), Failure> {
+    let row = client
         .query_one(
-            "SELECT $1::text::jsonb->>'name', ($1::text::jsonb->>'fail') = 'transient',
-                    coalesce(($1::text::jsonb->>'seconds')::float8, 0)",
+            "SELECT CASE WHEN jsonb_typeof(p) = 'object' AND jsonb_typeof(p->'name') = 'string'
+                          AND coalesce(jsonb_typeof(p->'seconds'), 'number') = 'number'
+                         THEN p->>'name' END,
+                    CASE WHEN jsonb_typeof(p->'seconds') = 'number' THEN (p->>'seconds')::float8 ELSE 0 END,
+                    coalesce(p->>'fail' = 'transient', false)
+             FROM (SELECT $1::text::jsonb AS p) payload",
             &[&payload],
         )
         .map_err(|_| Failure::Permanent)?;
-    let (name, transient, seconds): (Option<String>, Option<bool>, f64) = (row.get(0), row.get(1), row.get(2));
-    if transient == Some(true) {
+    let (name, seconds, transient): (Option<String>, f64, bool) = (row.get(0), row.get(1), row.get(2));
+    let name = name.ok_or(Failure::Permanent)?;
+    if transient {
         return Err(Failure::Transient);
     }
-    thread::sleep(Duration::from_secs_f64(seconds));
-    let name = name.ok_or(Failure::Permanent)?;
-    txn.execute("INSERT INTO public.greetings (name) VALUES ($1)", &[&name]).map_err(|_| Failure::Transient)?;
+    Ok((name, seconds))
+}
+
+/// Runs inside the transaction that completes the job, so its writes commit with it.
+fn write_effects(txn: &mut Transaction, name: &str) -> Result<(), Failure> {
+    txn.execute("INSERT INTO public.postcards (name) VALUES ($1)", &[&name]).map_err(|_| Failure::Transient)?;
     Ok(())
 }
 
@@ -93,8 +105,35 @@ fn run_one(client: &mut Client, dsn: &str, worker_id: &str, lease: i32) -> Resul
     let (job_id, token, payload): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
     let stop_heartbeat = heartbeat(dsn.to_owned(), job_id, worker_id.to_owned(), token.clone(), lease);
 
+    let failure = match checked(client, &payload) {
+        Err(failure) => Some(failure),
+        Ok((name, seconds)) => {
+            // The slow part, with no transaction open: an open one would hold back vacuum for as
+            // long.
+            thread::sleep(Duration::from_secs_f64(seconds));
+            complete_with_effects(client, &name, job_id, worker_id, &token)?
+        }
+    };
+    if let Some(failure) = failure {
+        client.execute(
+            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)",
+            &[&job_id, &worker_id, &token, &failure.code()],
+        )?;
+    }
+    let _ = stop_heartbeat.send(());
+    Ok(true)
+}
+
+/// Writes a job's effects and completes it in one transaction; the failure to record, if any.
+fn complete_with_effects(
+    client: &mut Client,
+    name: &str,
+    job_id: i64,
+    worker_id: &str,
+    token: &str,
+) -> Result<Option<Failure>, postgres::Error> {
     let mut txn = client.transaction()?;
-    let failure = match do_work(&mut txn, &payload) {
+    Ok(match write_effects(&mut txn, name) {
         Ok(()) => {
             let outcome: String = txn
                 .query_one(
@@ -114,15 +153,7 @@ fn run_one(client: &mut Client, dsn: &str, worker_id: &str, lease: i32) -> Resul
             txn.rollback()?;
             Some(failure)
         }
-    };
-    if let Some(failure) = failure {
-        client.execute(
-            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)",
-            &[&job_id, &worker_id, &token, &failure.code()],
-        )?;
-    }
-    let _ = stop_heartbeat.send(());
-    Ok(true)
+    })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
