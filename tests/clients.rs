@@ -16,8 +16,8 @@ const SETUP: &str = "
     SELECT durable_jobs.enqueue_durable_job('postcard', '{\"name\": \"carol\", \"fail\": \"transient\"}',
                                             NULL, 'default', now(), 1);
     SELECT durable_jobs.enqueue_durable_job('postcard', '{}');
-    -- Bad input of other shapes: both examples fail it alike (the Python one took a number for
-    -- a name as an unexpected failure, retried; the Rust one sent one to \"42\").
+    -- Bad input of other shapes: both examples fail it alike, as invalid_request (broken on
+    -- purpose, the Python example's old check, that a name is there, let job 6 succeed).
     SELECT durable_jobs.enqueue_durable_job('postcard', '{\"name\": 42}');
     SELECT durable_jobs.enqueue_durable_job('postcard', '[\"dave\"]');
     SELECT durable_jobs.enqueue_durable_job('postcard', '{\"name\": \"erin\", \"seconds\": \"soon\"}');";
