@@ -593,7 +593,8 @@ fn terminated_external_workers_leave_jobs_that_come_back() {
         ExternalWork { fail_rate: 0.0, work: Duration::from_millis(30), late: None },
     );
     wait_until(Duration::from_secs(60), "the external workers' sessions", || {
-        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'external-%'") == 4
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'external-%'")
+            == 4
     });
     // Terminate the external workers' sessions a few times while they work.
     let mut terminated = 0;

@@ -2203,37 +2203,18 @@ fn a_completion_that_gives_up_waiting_for_its_row_is_not_blamed_on_the_handler()
     let cluster = Cluster::start(&format!(
         "{WORKER_CONF}durable_jobs.lease_duration = 8\ndurable_jobs.log_handler_errors = on\n"
     ));
-    let mut client = cluster.connect();
-    let mut gate = harness::Gate::closed(&cluster, 4251);
-    client
-        .batch_execute(&format!(
-            "CREATE TABLE public.effects (n integer);
-             CREATE FUNCTION public.gated_write(payload jsonb) RETURNS void LANGUAGE plpgsql AS $$
-             BEGIN
-                 INSERT INTO public.effects VALUES ((payload->>'n')::integer);
-                 PERFORM {};
-             END $$;
-             SELECT durable_jobs.register_durable_job_handler('gated_write', 'public.gated_write(jsonb)');",
-            harness::Gate::pass(4251)
-        ))
-        .unwrap();
-    let job_id: i64 = client
-        .query_one("SELECT durable_jobs.enqueue_durable_job('gated_write', '{\"n\": 1}', max_attempts => 2)", &[])
-        .unwrap()
-        .get(0);
-    wait_until(Duration::from_secs(20), "the handler at the gate", || {
-        harness::waiting_at_gate(&mut client, "durable_jobs worker", 4251) == 1
-    });
+    let (mut client, job_id, mut gate) = a_slow_write_running(&cluster);
     let mut holder = cluster.connect();
     let mut holding = holder.transaction().unwrap();
     let cancelled: bool =
         holding.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
     assert!(cancelled, "the cancel holds the job's row");
     gate.open();
-    let blamed = format!("job {job_id} (kind gated_write");
+    let blamed = format!("job {job_id} (kind slow_write");
     wait_until(Duration::from_secs(30), "the worker to give up on the job's row", || {
         let log = cluster.server_log();
-        log.contains(&format!("completing job {job_id} gave up waiting for its row (SQLSTATE 55P03)")) || log.contains(&blamed)
+        log.contains(&format!("completing job {job_id} gave up waiting for its row (SQLSTATE 55P03)"))
+            || log.contains(&blamed)
     });
     holding.rollback().unwrap();
     wait_until(Duration::from_secs(60), "the job to end", || {
