@@ -61,6 +61,8 @@ pub fn register_workers() {
 pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
     let number = argument.value() as i32;
     start_session(&format!("{WORKER_TYPE} {number}"));
+    // In this order: at exit (callbacks run in reverse) the wake-up slot is cleared before the
+    // direct-lease word is reset.
     sleepers::publish_worker(number);
     wakeup::publish_worker(number);
     warn_if_runners_may_find_no_slot();
