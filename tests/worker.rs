@@ -816,7 +816,8 @@ fn the_worker_logs_one_line_when_it_starts_and_stops_at_once_at_shutdown() {
 
 /// A job whose handler has written 1 to public.effects and now waits at a gate: the client, the
 /// job's id and the gate. (It slept 2 s before, which a loaded machine could spend before the
-/// test acted on the running job.)
+/// test acted on the running job. Broken on purpose, a completion whose stale answer keeps the
+/// handler's writes, both tests that use it failed.)
 fn a_slow_write_running(cluster: &Cluster) -> (Client, i64, harness::Gate) {
     let mut client = cluster.connect();
     let gate = harness::Gate::closed(cluster, 4250);
