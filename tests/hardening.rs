@@ -30,6 +30,13 @@ fn cluster_with_app_roles(extra_conf: &str) -> (Cluster, Client) {
 }
 
 /// Handler kind 'note': one row per job in public.effects, naming the role it ran as.
+/// A handler `gated` that waits at the gate its payload names (`{"gate": key}`, see
+/// `harness::Gate`).
+const GATED_HANDLER: &str = "
+    CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql
+        AS $$ SELECT pg_advisory_xact_lock_shared((payload->>'gate')::bigint) $$;
+    SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');";
+
 const NOTE_HANDLER: &str = "
     CREATE TABLE public.effects (who name);
     GRANT INSERT ON public.effects TO PUBLIC;
@@ -482,12 +489,10 @@ fn a_batch_running_past_its_committed_leases_still_fills_its_queues_limit() {
     let mut client = cluster.connect();
     let mut first_gate = harness::Gate::closed(&cluster, 7104);
     let mut second_gate = harness::Gate::closed(&cluster, 7105);
+    client.batch_execute(GATED_HANDLER).unwrap();
     client
         .batch_execute(
-            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_advisory_xact_lock_shared((payload->>'gate')::bigint) $$;
-             SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');
-             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);
+            "SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);
              BEGIN;
              SELECT durable_jobs.enqueue_durable_job('gated', '{\"gate\": 7104}', NULL, 'open', priority => 10);
              SELECT durable_jobs.enqueue_durable_job('gated', '{\"gate\": 7105}', NULL, 'limited')
@@ -1970,13 +1975,7 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
     admin.batch_execute(NOTE_HANDLER).unwrap();
     let mut first_gate = harness::Gate::closed(&cluster, 7101);
     let mut second_gate = harness::Gate::closed(&cluster, 7106);
-    admin
-        .batch_execute(
-            "CREATE FUNCTION public.gated(payload jsonb) RETURNS void LANGUAGE sql
-                 AS $$ SELECT pg_advisory_xact_lock_shared((payload->>'gate')::bigint) $$;
-             SELECT durable_jobs.register_durable_job_handler('gated', 'public.gated(jsonb)');",
-        )
-        .unwrap();
+    admin.batch_execute(GATED_HANDLER).unwrap();
     let mut app_a = cluster.connect_as("app_a");
     let mut app_b = cluster.connect_as("app_b");
     enqueue(&mut app_a, "note");
@@ -2009,13 +2008,12 @@ fn the_jobs_after_a_lost_role_runner_keep_their_first_attempt() {
         "SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {last} AND lease_expires_at < clock_timestamp()"
     );
     wait_until(Duration::from_secs(20), "app_a's lease to lapse", || count(&mut admin, &lapsed) == 1);
-    let ended = count(
-        &mut admin,
-        "SELECT count(pg_terminate_backend(a.pid)) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-         WHERE a.backend_type = 'durable_jobs role runner' AND l.locktype = 'advisory' AND NOT l.granted
-           AND l.objid = 7106",
-    );
-    assert_eq!(ended, 1, "the runner was ended at the second gate, in the middle of its batch");
+    // Still at the gate when ended (it stays there until the gate opens), in the middle of its batch.
+    let [runner] = harness::sessions_at_gate(&mut admin, "durable_jobs role runner", 7106)[..] else {
+        panic!("one runner at the second gate")
+    };
+    let ended: bool = admin.query_one("SELECT pg_terminate_backend($1)", &[&runner]).unwrap().get(0);
+    assert!(ended, "the runner was ended at the second gate");
     second_gate.open();
     wait_until(Duration::from_secs(30), "app_a's job to end", || {
         !matches!(job_outcome(&mut admin, &format!("job_id = {last}")).0.as_str(), "running" | "available")

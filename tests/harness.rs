@@ -427,11 +427,18 @@ impl Gate {
 
 /// How many sessions of `backend_type` (pg_stat_activity) wait at gate `key`.
 pub fn waiting_at_gate(client: &mut Client, backend_type: &str, key: i64) -> i64 {
-    let query = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+    sessions_at_gate(client, backend_type, key).len() as i64
+}
+
+/// The pids of the sessions of `backend_type` (pg_stat_activity) that wait at gate `key`.
+pub fn sessions_at_gate(client: &mut Client, backend_type: &str, key: i64) -> Vec<i32> {
+    let query = "SELECT a.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid)
                  WHERE a.backend_type = $1 AND l.locktype = 'advisory' AND NOT l.granted
                    AND l.classid = 0 AND l.objid = $2::bigint::oid AND l.objsubid = 1";
     client
-        .query_one(query, &[&backend_type, &key])
+        .query(query, &[&backend_type, &key])
         .unwrap_or_else(|e| panic!("{query}: {}", error_text(&e)))
-        .get(0)
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
 }
