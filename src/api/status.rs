@@ -62,12 +62,9 @@ fn get_durable_job(job_id: Option<i64>) -> SetOfIterator<'static, JobStatusRow> 
     SetOfIterator::new(read_job_with_version(job_id).map(|(row, ..)| row))
 }
 
-/// The job's status row, if the current role sees the job, with its state and state_version,
-/// and whether its last change is this transaction's own, uncommitted (its row version was
-/// written by this transaction or one of its subtransactions). The raw xmin is read: a row left
-/// unchanged for some four billion transactions (frozen) could take a current xid for its own,
-/// a wait then raising where it would sleep.
-fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64, bool)> {
+/// The job's status row, if the current role sees the job, with its state, state_version and
+/// the xmin of its row version (see `changed_by_this_transaction`).
+fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64, pg_sys::TransactionId)> {
     let caller = caller();
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
@@ -82,15 +79,19 @@ fn read_job_with_version(job_id: i64) -> Option<(JobStatusRow, String, i64, bool
                     row.get::<JobStatusRow>(1).unwrap().expect("a status row"),
                     row.get::<String>(2).unwrap().expect("job_state"),
                     row.get::<i64>(3).unwrap().expect("state_version"),
-                    unsafe {
-                        pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(
-                            row.get::<i64>(4).unwrap().expect("xmin") as u32,
-                        ))
-                    },
+                    pg_sys::TransactionId::from(row.get::<i64>(4).unwrap().expect("xmin") as u32),
                 )
             })
         })
     })
+}
+
+/// Whether a row version with this xmin was written by this transaction or one of its
+/// subtransactions, not committed yet. The raw xmin is read: a row left unchanged for some four
+/// billion transactions (frozen) could take a current xid for its own, a wait then raising where
+/// it would sleep.
+fn changed_by_this_transaction(xmin: pg_sys::TransactionId) -> bool {
+    unsafe { pg_sys::TransactionIdIsCurrentTransactionId(xmin) }
 }
 
 /// The longest wait_for_durable_job may sleep, in seconds.
@@ -133,7 +134,7 @@ fn wait_for_durable_job(
     // below returns at once, and no wake-up is missed between the read and the sleep.
     let slot = WaiterSlot::take(job_id, known_version.is_none());
     let row = loop {
-        let Some((row, state, version, own_change)) = without_keeping_locks(|| read_job_with_version(job_id))
+        let Some((row, state, version, xmin)) = without_keeping_locks(|| read_job_with_version(job_id))
         else {
             break None;
         };
@@ -145,7 +146,7 @@ fn wait_for_durable_job(
         if changed || now >= deadline {
             break Some(row);
         }
-        if own_change {
+        if changed_by_this_transaction(xmin) {
             // Nothing can change the job before this transaction commits (its row is this
             // transaction's): the wait would only sleep out its timeout.
             ereport!(
