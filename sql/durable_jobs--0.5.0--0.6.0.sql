@@ -1,8 +1,10 @@
 -- durable_jobs 0.5.0 to 0.6.0: a handler runs as its job's enqueuer only when the role that
 -- registered it and the role that owns it already hold the enqueuer's rights (the library
 -- applies that rule from the moment it is loaded, whatever the schema's version); the view
--- durable_job_handlers shows whom each registration serves. Run by ALTER EXTENSION durable_jobs
--- UPDATE; tests/upgrade.rs checks that the result equals a fresh 0.6.0 install.
+-- durable_job_handlers shows whom each registration serves; each job keeps the history of its
+-- attempts, with the error text of failed ones (get_durable_job_attempts, fail_durable_job's
+-- error_message). Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- result equals a fresh 0.6.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
 -- Columns added at the end: the view keeps its owner and its grants.
@@ -121,3 +123,110 @@ BEGIN
     END LOOP;
 END
 $report$;
+
+-- The attempt history. Jobs enqueued before keep no history of the attempts they made before.
+ALTER TABLE durable_jobs.durable_job
+    ADD COLUMN attempt_started_at pg_catalog.timestamptz,
+    ADD COLUMN attempt_worker_id pg_catalog.text;
+
+CREATE TABLE durable_jobs.durable_job_attempt (
+    job_id        pg_catalog.int8 NOT NULL,
+    attempt       pg_catalog.int4 NOT NULL,
+    worker_id     pg_catalog.text,
+    started_at    pg_catalog.timestamptz,
+    ended_at      pg_catalog.timestamptz NOT NULL,
+    outcome       pg_catalog.text NOT NULL,
+    failure_code  pg_catalog.text,
+    sqlstate      pg_catalog.text,
+    error_message pg_catalog.text,
+    PRIMARY KEY (job_id, attempt),
+    CONSTRAINT durable_job_attempt_outcome_known CHECK (outcome IN ('failed', 'lease_expired', 'cancelled'))
+);
+COMMENT ON TABLE durable_jobs.durable_job_attempt IS
+    'Attempts of durable_jobs jobs that failed, lost their lease or were cancelled. Read through get_durable_job_attempts.';
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');
+REVOKE ALL ON durable_jobs.durable_job_attempt FROM PUBLIC;
+
+CREATE FUNCTION durable_jobs.get_durable_job_attempts(job_id pg_catalog.int8)
+    RETURNS TABLE (
+        attempt pg_catalog.int4,
+        worker_id pg_catalog.text,
+        started_at pg_catalog.timestamptz,
+        ended_at pg_catalog.timestamptz,
+        outcome pg_catalog.text,
+        failure_code pg_catalog.text,
+        sqlstate pg_catalog.text,
+        error_message pg_catalog.text)
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'get_durable_job_attempts_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8) FROM PUBLIC;
+
+-- What an update creates belongs to the role that runs it, a superuser. After REASSIGN OWNED the
+-- extension may belong to another role, which the library's functions act as: the new members
+-- are handed to it, with the privileges they have then recorded as the extension's own, as a
+-- fresh install by that role would.
+DO $hand_over$
+DECLARE
+    extension_owner pg_catalog.text := (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text
+                                        FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs');
+BEGIN
+    EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_attempt OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8) OWNER TO %s',
+                              extension_owner);
+    UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
+    FROM pg_catalog.pg_class c
+    WHERE c.oid = 'durable_jobs.durable_job_attempt'::pg_catalog.regclass
+      AND i.objoid = c.oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
+    UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
+    FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure
+      AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
+END
+$hand_over$;
+
+-- fail_durable_job takes the worker's error text: the four-argument function is replaced (and
+-- handed to the extension's owner, as above), and whoever could execute it may execute the new
+-- one.
+CREATE FUNCTION durable_jobs.fail_durable_job(
+    job_id pg_catalog.int8,
+    worker_id pg_catalog.text,
+    lease_token pg_catalog.uuid,
+    failure_code pg_catalog.text,
+    error_message pg_catalog.text DEFAULT NULL)
+    RETURNS pg_catalog.text
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'fail_durable_job_with_message_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) FROM PUBLIC;
+DO $carry$
+DECLARE
+    fresh_acl pg_catalog.aclitem[];
+    given record;
+BEGIN
+    EXECUTE pg_catalog.format(
+        'ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) OWNER TO %s',
+        (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
+    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure;
+    FOR given IN
+        SELECT a.grantee, a.is_grantable
+        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+        WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) TO %s%s',
+            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
+    -- leaves out: record the function's privileges as a fresh install has them, so that the
+    -- operators' grants stay theirs and are dumped.
+    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
+    WHERE objoid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure
+      AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+END
+$carry$;
+DROP FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text);

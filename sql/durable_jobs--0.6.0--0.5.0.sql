@@ -1,5 +1,6 @@
--- durable_jobs 0.6.0 back to 0.5.0: durable_job_handlers loses the columns that say whom each
--- registration serves. The rule itself lives in the library: while the 0.6.0 library is loaded
+-- durable_jobs 0.6.0 back to 0.5.0: the attempt history goes (its table, with the error texts
+-- it kept, and the job columns of the latest attempt), fail_durable_job takes no error text, and
+-- durable_job_handlers loses the columns that say whom each registration serves. The rule itself lives in the library: while the 0.6.0 library is loaded
 -- it holds for a 0.5.0 schema too. Run by ALTER EXTENSION durable_jobs UPDATE TO '0.5.0';
 -- tests/upgrade.rs checks that the result equals a fresh 0.5.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
@@ -83,3 +84,46 @@ BEGIN
     END LOOP;
 END
 $remake$;
+
+DROP FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8);
+ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_attempt;
+DROP TABLE durable_jobs.durable_job_attempt;
+ALTER TABLE durable_jobs.durable_job DROP COLUMN attempt_started_at, DROP COLUMN attempt_worker_id;
+
+CREATE FUNCTION durable_jobs.fail_durable_job(
+    job_id pg_catalog.int8,
+    worker_id pg_catalog.text,
+    lease_token pg_catalog.uuid,
+    failure_code pg_catalog.text)
+    RETURNS pg_catalog.text
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'fail_durable_job_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) FROM PUBLIC;
+DO $carry$
+DECLARE
+    fresh_acl pg_catalog.aclitem[];
+    given record;
+BEGIN
+    EXECUTE pg_catalog.format(
+        'ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) OWNER TO %s',
+        (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
+    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure;
+    FOR given IN
+        SELECT a.grantee, a.is_grantable
+        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+        WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) TO %s%s',
+            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
+    WHERE objoid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
+      AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+END
+$carry$;
+DROP FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text);

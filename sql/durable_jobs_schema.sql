@@ -83,6 +83,10 @@ CREATE TABLE durable_jobs.durable_job (
     -- The SQLSTATE of the handler error behind the last failure the background worker recorded.
     last_failure_sqlstate pg_catalog.text,
     replay_count      pg_catalog.int4 NOT NULL DEFAULT 0,
+    -- The latest attempt's start and worker, kept after it ends: get_durable_job_attempts shows
+    -- a running or succeeded attempt from them (durable_job_attempt keeps the others).
+    attempt_started_at pg_catalog.timestamptz,
+    attempt_worker_id pg_catalog.text,
 
     CONSTRAINT durable_job_state_known CHECK (durable_jobs.durable_job_state_known(job_state)),
     CONSTRAINT durable_job_names_not_empty CHECK (durable_jobs.durable_job_names_not_empty(queue_name, job_kind)),

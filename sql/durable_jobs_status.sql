@@ -68,3 +68,27 @@ CREATE TYPE durable_jobs.durable_job_listing AS (
     replay_count          pg_catalog.int4,
     page_cursor           pg_catalog.text
 );
+
+-- Each attempt of a job that ended otherwise than in success: failed (with the error, when the
+-- worker passed it), its lease expired, or cancelled while it ran. A running or succeeded
+-- attempt is the job's latest and is read from the job row (attempt_started_at,
+-- attempt_worker_id), so the path of a job that succeeds writes no row here.
+-- get_durable_job_attempts reads both; pruning deletes a job's rows with the job.
+CREATE TABLE durable_jobs.durable_job_attempt (
+    job_id        pg_catalog.int8 NOT NULL,
+    attempt       pg_catalog.int4 NOT NULL,
+    worker_id     pg_catalog.text,
+    started_at    pg_catalog.timestamptz,
+    ended_at      pg_catalog.timestamptz NOT NULL,
+    outcome       pg_catalog.text NOT NULL,
+    failure_code  pg_catalog.text,
+    sqlstate      pg_catalog.text,
+    error_message pg_catalog.text,
+    PRIMARY KEY (job_id, attempt),
+    CONSTRAINT durable_job_attempt_outcome_known CHECK (outcome IN ('failed', 'lease_expired', 'cancelled'))
+);
+
+COMMENT ON TABLE durable_jobs.durable_job_attempt IS
+    'Attempts of durable_jobs jobs that failed, lost their lease or were cancelled. Read through get_durable_job_attempts.';
+
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');

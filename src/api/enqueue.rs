@@ -64,7 +64,8 @@ macro_rules! insert_leased_job {
             INSERT INTO durable_jobs.durable_job (",
             job_columns!(),
             ",
-                 job_state, lease_owner, lease_token, lease_expires_at, attempt_count, state_version)
+                 job_state, lease_owner, lease_token, lease_expires_at, attempt_count, state_version,
+                 attempt_started_at, attempt_worker_id)
             SELECT ",
             job_values!(),
             ",
@@ -74,7 +75,9 @@ macro_rules! insert_leased_job {
                    CASE WHEN claimable
                         THEN pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $12) END,
                    CASE WHEN claimable THEN 1 ELSE 0 END,
-                   CASE WHEN claimable THEN 2 ELSE 1 END
+                   CASE WHEN claimable THEN 2 ELSE 1 END,
+                   CASE WHEN claimable THEN pg_catalog.clock_timestamp() END,
+                   CASE WHEN claimable THEN $10 END
             FROM (SELECT $6 <= pg_catalog.clock_timestamp()
                          AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
                                          WHERE q.queue_name = $1

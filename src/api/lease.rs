@@ -4,7 +4,7 @@
 use crate::jobs::arguments;
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease::{claim_jobs, complete_job, fail_job, first_value_of, state_and_permission};
-use crate::jobs::statements::{CANCEL, CANCEL_ON_OLD_SCHEMA, EXTEND, LOCK_FOR_CANCEL};
+use crate::jobs::statements::{CANCEL, CANCEL_ON_OLD_SCHEMA, CANCEL_WITHOUT_HISTORY, EXTEND, LOCK_FOR_CANCEL};
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner, as_extension_owner_of, caller};
@@ -133,17 +133,33 @@ fn complete_durable_job(
     complete_job(holder.job_id, &holder.worker_id, holder.lease_token)
 }
 
-#[pg_extern(volatile, parallel_unsafe)]
+/// fail_durable_job(job_id, worker_id, lease_token, failure_code, error_message): the SQL API's
+/// failure from 0.6.0 on, whose attempt keeps the worker's error text. A new C symbol, since a
+/// schema from before keeps calling the four-argument one.
+#[pg_extern(volatile, parallel_unsafe, name = "fail_durable_job")]
 #[search_path(pg_catalog, pg_temp)]
+fn fail_durable_job_with_message(
+    job_id: Option<i64>,
+    worker_id: Option<String>,
+    lease_token: Option<Uuid>,
+    failure_code: Option<String>,
+    error_message: default!(Option<String>, "NULL"),
+) -> &'static str {
+    let holder = LeaseHolder::new(job_id, worker_id, lease_token);
+    let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
+    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code, None, error_message.as_deref())
+}
+
+/// The four-argument failure of schemas before 0.6.0, which this library serves until ALTER
+/// EXTENSION durable_jobs UPDATE; not part of the 0.6.0 schema.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn fail_durable_job(
     job_id: Option<i64>,
     worker_id: Option<String>,
     lease_token: Option<Uuid>,
     failure_code: Option<String>,
 ) -> &'static str {
-    let holder = LeaseHolder::new(job_id, worker_id, lease_token);
-    let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
-    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code, None)
+    fail_durable_job_with_message(job_id, worker_id, lease_token, failure_code, None)
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -200,7 +216,8 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
                     state.as_deref().into(),
                     failure_code.as_deref().into(),
                 ];
-                plans::execute(client, CANCEL, &args)
+                let statement = if installed.has_attempt_history { CANCEL } else { CANCEL_WITHOUT_HISTORY };
+                plans::execute(client, statement, &args)
             } else {
                 plans::execute(client, CANCEL_ON_OLD_SCHEMA, &[job_id.into()])
             };

@@ -1,5 +1,6 @@
 //! What a user calls: the SQL functions, one module per group.
 
+pub mod attempts;
 pub mod enqueue;
 pub mod handlers;
 pub mod lease;

@@ -24,7 +24,8 @@ macro_rules! status_columns {
     };
 }
 
-/// $2: the caller sees every job; $3: the caller's role.
+/// $2: the caller sees every job; $3: the caller's role. (Also the rule of `api::attempts`.)
+#[macro_export]
 macro_rules! visible_to_caller {
     () => {
         "($2 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
@@ -51,7 +52,7 @@ const VISIBLE_ROLES: &str = "
 pub const JOB_STATES: [&str; 5] = ["available", "running", "succeeded", "failed", "cancelled"];
 
 /// Whether `caller` sees every job: a superuser, or a role with the extension owner's privileges.
-fn sees_all_jobs(caller: &Caller, owner: pg_sys::Oid) -> bool {
+pub(crate) fn sees_all_jobs(caller: &Caller, owner: pg_sys::Oid) -> bool {
     caller.is_superuser || unsafe { pg_sys::has_privs_of_role(caller.role_oid, owner) }
 }
 

@@ -6,10 +6,12 @@
 //! clock_timestamp() at that moment, so a worker whose lease lapsed or was taken over changes
 //! nothing and is told `stale`. The statements are in `jobs::statements`.
 
+use crate::jobs::attempts;
 use crate::jobs::failure::FailureCode;
 use crate::jobs::statements::{
-    CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, COMPLETE, COMPLETE_BATCH, COMPLETE_BATCH_SKIPPING_HELD,
-    COMPLETE_ON_OLD_SCHEMA, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA, HELD_LEASES, RELEASE_UNSTARTED,
+    CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
+    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA,
+    FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED,
     RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD,
     STATE_AND_PERMISSION,
 };
@@ -133,10 +135,11 @@ pub fn claim_jobs(
                 names(job_kinds),
                 lease_tokens.into(),
             ];
-            let statement = match (handlers_only, installed.has_status_api) {
-                (true, _) => CLAIM_FOR_WORKER,
-                (false, true) => CLAIM,
-                (false, false) => CLAIM_ON_OLD_SCHEMA,
+            let statement = match (handlers_only, installed.has_attempt_history, installed.has_status_api) {
+                (true, ..) => CLAIM_FOR_WORKER,
+                (false, true, _) => CLAIM,
+                (false, false, true) => CLAIM_WITHOUT_HISTORY,
+                (false, false, false) => CLAIM_ON_OLD_SCHEMA,
             };
             let mut expired = Vec::new();
             let claimed: Vec<ClaimedJob> =
@@ -207,13 +210,15 @@ pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> &'static
 }
 
 /// Fenced failure: `retried`, `failed` or `stale`. `sqlstate`: that of the handler error behind
-/// it, when the background worker ran the handler.
+/// it, when the background worker ran the handler; `message`, the error's text, which the
+/// attempt keeps (`attempts::kept_message`).
 pub fn fail_job(
     job_id: i64,
     worker_id: &str,
     lease_token: Uuid,
     code: FailureCode,
     sqlstate: Option<&str>,
+    message: Option<&str>,
 ) -> &'static str {
     let mut args: Vec<DatumWithOid> = vec![
         job_id.into(),
@@ -225,9 +230,13 @@ pub fn fail_job(
         code.as_str().into(),
     ];
     let outcome = as_extension_owner_of(|installed| {
-        if installed.has_status_api {
+        if installed.has_attempt_history {
             args.push(sqlstate.into());
+            args.push(attempts::kept_message(message).into());
             first_value_of::<String>(FAIL, &args)
+        } else if installed.has_status_api {
+            args.push(sqlstate.into());
+            first_value_of::<String>(FAIL_WITHOUT_HISTORY, &args)
         } else {
             first_value_of::<String>(FAIL_ON_OLD_SCHEMA, &args)
         }

@@ -3,6 +3,7 @@
 //! commit, the status waiters, the counters and pruning.
 
 pub mod arguments;
+pub mod attempts;
 pub mod counters;
 pub mod direct_lease;
 pub mod failure;

@@ -3,6 +3,8 @@
 //! lines, so that the fence and the lease columns are written once, as macros the statements are
 //! assembled from at compile time (`concat!`); `jobs::lease` and `api::lease` run them.
 
+use crate::{attempt_history, no_attempt_history};
+
 /// The lease columns as they are after leaving `running`; shared by every transition. A macro,
 /// so that the statements are assembled at compile time with `concat!`.
 macro_rules! release_lease {
@@ -32,13 +34,14 @@ macro_rules! lease_fence {
 
 // Expired leases with no attempts left end as `lease_expired` instead of being claimed again
 // (up to 100 per call), in the queues $1 names (NULL: every queue). `$expired` adds the status
-// columns' changes where the schema has them.
+// columns' changes where the schema has them, `$history` the recording of the attempts
+// (`jobs::attempts`).
 macro_rules! expire_exhausted_ctes {
-    ($expired:expr) => {
+    ($expired:expr, $history:ident) => {
         concat!(
             "
                 exhausted AS (
-                    SELECT job_id FROM durable_jobs.durable_job
+                    SELECT job_id, lease_expires_at AS was_expiry FROM durable_jobs.durable_job
                     WHERE job_state = 'running'
                       AND lease_expires_at <= pg_catalog.clock_timestamp()
                       AND attempt_count >= max_attempts
@@ -54,7 +57,10 @@ macro_rules! expire_exhausted_ctes {
             release_lease!(),
             "
                     FROM exhausted WHERE x.job_id = exhausted.job_id
-                    RETURNING x.job_id)"
+                    RETURNING x.job_id, exhausted.was_expiry",
+            $history!(expired_returning),
+            ")",
+            $history!(expired)
         )
     };
 }
@@ -62,10 +68,11 @@ macro_rules! expire_exhausted_ctes {
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
 // batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
-// columns after the eight every claim returns. The lease tokens come in $6, one per job the
-// claim may take (`randomness`), handed out in claim order.
+// columns after the eight every claim returns, `$history` the recording of attempts
+// (`jobs::attempts`). The lease tokens come in $6, one per job the claim may take
+// (`randomness`), handed out in claim order.
 macro_rules! claim_ctes {
-    ($kind_filter:expr, $claimed:expr, $returning:expr) => {
+    ($kind_filter:expr, $claimed:expr, $returning:expr, $history:ident) => {
         concat!(
             "
                 -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
@@ -76,7 +83,9 @@ macro_rules! claim_ctes {
                        OR (q.concurrency_limit IS NOT NULL
                            AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
                 candidate AS (
-                    SELECT job_id FROM durable_jobs.durable_job
+                    SELECT job_id, job_state AS was_state",
+            $history!(was),
+            " FROM durable_jobs.durable_job
                     WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
                            OR (job_state = 'running'
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
@@ -97,6 +106,7 @@ macro_rules! claim_ctes {
                 UPDATE durable_jobs.durable_job j
                 SET job_state = 'running', ",
             $claimed,
+            $history!(started),
             "
                     lease_owner = $2,
                     lease_token = ($6::pg_catalog.uuid[])[numbered.n],
@@ -107,7 +117,8 @@ macro_rules! claim_ctes {
                 RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
                           j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text",
             $returning,
-            ")"
+            ")",
+            $history!(reclaimed)
         )
     };
 }
@@ -115,12 +126,12 @@ macro_rules! claim_ctes {
 // The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
 // two parts touch disjoint rows (attempts used up or not).
 macro_rules! claim_statement {
-    ($kind_filter:expr, $claimed:expr, $expired:expr) => {
+    ($kind_filter:expr, $claimed:expr, $expired:expr, $history:ident) => {
         concat!(
             "WITH",
-            expire_exhausted_ctes!($expired),
+            expire_exhausted_ctes!($expired, $history),
             ",",
-            claim_ctes!($kind_filter, $claimed, ""),
+            claim_ctes!($kind_filter, $claimed, "", $history),
             "
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
@@ -144,11 +155,14 @@ macro_rules! any_kind {
     };
 }
 
-pub(crate) const CLAIM: &str = claim_statement!(any_kind!(), new_state_version!(), expiry_columns!());
+pub(crate) const CLAIM: &str =
+    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), attempt_history);
 
-// The same on a schema from before 0.4.0, which this library serves until ALTER EXTENSION
-// durable_jobs UPDATE.
-pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "");
+// The same on a schema from before 0.6.0 and before 0.4.0, which this library serves until
+// ALTER EXTENSION durable_jobs UPDATE.
+pub(crate) const CLAIM_WITHOUT_HISTORY: &str =
+    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), no_attempt_history);
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "", no_attempt_history);
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
 // serves: a superuser's registration serves every role, another role's only the roles that have
@@ -172,15 +186,19 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
                           (SELECT h.handler FROM durable_jobs.durable_job_handler h
                            WHERE h.job_kind = j.job_kind),
                           (SELECT h.registered_by::pg_catalog.text FROM durable_jobs.durable_job_handler h
-                           WHERE h.job_kind = j.job_kind)"
+                           WHERE h.job_kind = j.job_kind)",
+        attempt_history
     ),
     "
     SELECT * FROM claimed"
 );
 
 /// The worker's expiry of exhausted leases in every queue ($1 NULL); returns the expired jobs.
-pub(crate) const EXPIRE_EXHAUSTED: &str =
-    concat!("WITH", expire_exhausted_ctes!(expiry_columns!()), " SELECT job_id FROM expired");
+pub(crate) const EXPIRE_EXHAUSTED: &str = concat!(
+    "WITH",
+    expire_exhausted_ctes!(expiry_columns!(), attempt_history),
+    " SELECT job_id FROM expired"
+);
 
 macro_rules! complete_statement {
     ($status_columns:expr) => {
@@ -206,7 +224,7 @@ pub(crate) const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("");
 // the status columns, $8: the SQLSTATE of the handler error (NULL from external workers).
 // Backoff: base * 2^(attempt - 1), capped, times a jitter factor in [0.5, 1).
 macro_rules! fail_statement {
-    ($status_columns:expr) => {
+    ($status_columns:expr, $returning:expr) => {
         concat!(
             "
             UPDATE durable_jobs.durable_job
@@ -226,13 +244,29 @@ macro_rules! fail_statement {
             WHERE ",
             lease_fence!(),
             "
-            RETURNING job_state"
+            RETURNING job_state",
+            $returning
         )
     };
 }
 
-pub(crate) const FAIL: &str = fail_statement!(concat!(new_state_version!(), "last_failure_sqlstate = $8, "));
-pub(crate) const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("");
+macro_rules! fail_status_columns {
+    () => {
+        concat!(new_state_version!(), "last_failure_sqlstate = $8, ")
+    };
+}
+
+// With the failed attempt recorded: $9 its error message.
+pub(crate) const FAIL: &str = concat!(
+    "WITH failed AS (",
+    fail_statement!(fail_status_columns!(), attempt_history!(failed_returning)),
+    ")",
+    attempt_history!(failed),
+    "
+    SELECT job_state FROM failed"
+);
+pub(crate) const FAIL_WITHOUT_HISTORY: &str = fail_statement!(fail_status_columns!(), "");
+pub(crate) const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("", "");
 
 pub(crate) const EXTEND: &str = concat!(
     "
@@ -419,7 +453,7 @@ pub(crate) const STATE_AND_PERMISSION: &str = concat!(
 );
 
 macro_rules! cancel_statement {
-    ($status_columns:expr) => {
+    ($status_columns:expr, $returning:expr) => {
         concat!(
             "
             UPDATE durable_jobs.durable_job
@@ -428,20 +462,29 @@ macro_rules! cancel_statement {
             release_lease!(),
             "
             WHERE job_id = $1 AND job_state IN ('available', 'running')
-            RETURNING job_id"
+            RETURNING job_id",
+            $returning
         )
     };
 }
 
-// The cancellation and its audit row in one statement; $2: the caller, $3, $4: the job's state
-// and last failure code before.
-pub(crate) const CANCEL: &str = concat!(
-    "WITH cancelled AS (",
-    cancel_statement!(new_state_version!()),
-    ")
+// The cancellation and its audit row in one statement (and with `$history` the attempt it
+// ended); $2: the caller, $3, $4: the job's state and last failure code before.
+macro_rules! cancel_with_audit {
+    ($history:ident) => {
+        concat!(
+            "WITH cancelled AS (",
+            cancel_statement!(new_state_version!(), $history!(cancelled_returning)),
+            ")",
+            $history!(cancelled),
+            "
     INSERT INTO durable_jobs.durable_job_audit
         (job_id, action, acted_by, previous_state, previous_failure_code)
     SELECT job_id, 'cancel', $2::pg_catalog.name, $3, $4 FROM cancelled
     RETURNING job_id"
-);
-pub(crate) const CANCEL_ON_OLD_SCHEMA: &str = cancel_statement!("");
+        )
+    };
+}
+pub(crate) const CANCEL: &str = cancel_with_audit!(attempt_history);
+pub(crate) const CANCEL_WITHOUT_HISTORY: &str = cancel_with_audit!(no_attempt_history);
+pub(crate) const CANCEL_ON_OLD_SCHEMA: &str = cancel_statement!("", "");

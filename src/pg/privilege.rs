@@ -47,6 +47,8 @@ pub fn caller() -> Caller {
 /// Versions whose schema predates the status API (state_version, the fingerprint of every
 /// payload, the audit table). This library serves them until ALTER EXTENSION durable_jobs UPDATE.
 const VERSIONS_BEFORE_STATUS_API: [&str; 3] = ["0.1.0", "0.2.0", "0.3.0"];
+/// Versions whose schema predates the attempt history (`jobs::attempts`).
+const VERSIONS_BEFORE_ATTEMPT_HISTORY: [&str; 5] = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"];
 
 /// What our statements need to know of the installed extension.
 #[derive(Clone, Copy)]
@@ -54,6 +56,8 @@ pub struct Installed {
     pub owner: pg_sys::Oid,
     /// The schema has the status API's columns and tables (0.4.0 on).
     pub has_status_api: bool,
+    /// The schema has the attempt history's columns and table (0.6.0 on).
+    pub has_attempt_history: bool,
     /// The schema is this library's version (what the background workers wait for).
     pub at_library_version: bool,
 }
@@ -140,6 +144,7 @@ impl From<&InstalledRow> for Installed {
         Installed {
             owner: row.owner,
             has_status_api: !VERSIONS_BEFORE_STATUS_API.contains(&row.version.as_str()),
+            has_attempt_history: !VERSIONS_BEFORE_ATTEMPT_HISTORY.contains(&row.version.as_str()),
             at_library_version: row.version == env!("CARGO_PKG_VERSION"),
         }
     }

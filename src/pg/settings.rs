@@ -25,6 +25,8 @@ pub static POLL_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1000);
 pub static INTAKE_ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Whether the workers log each handler error's text (never the payload).
 pub static LOG_HANDLER_ERRORS: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// Whether a failed attempt keeps its error message (`jobs::attempts`), not only its codes.
+pub static KEEP_ERROR_MESSAGES: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Whether an enqueue that finds a background worker asleep leases its job to it (`direct_lease`).
 pub static DIRECT_LEASES: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// How many background workers the postmaster starts (restart to change).
@@ -165,6 +167,15 @@ pub fn register() {
           logged, but an error message can quote values from it (a failed cast does).",
         &LOG_HANDLER_ERRORS,
         GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"durable_jobs.keep_error_messages",
+        c"Whether each failed attempt keeps its error message, not only its failure code and SQLSTATE.",
+        c"Kept until the job is pruned; a message can quote values from the payload, and clearing \
+          the payload when the job ends does not clear it.",
+        &KEEP_ERROR_MESSAGES,
+        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_bool_guc(

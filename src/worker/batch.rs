@@ -3,9 +3,10 @@
 //! a batch that fails as a whole runs again job by job.
 
 use super::claim::{claim_ahead, give_back, Claimed, CLAIMED_AHEAD};
-use super::execution::{self, Completion};
+use super::execution::{self, Completion, Failure};
 use super::load::ClaimedRows;
 use super::runner::{self};
+use super::sandbox::CaughtFailure;
 use super::session::WORKER_TYPE;
 use super::session::{
     in_transaction, in_transaction_or_logged, in_worker_transaction, session_serves_bound_role,
@@ -165,47 +166,48 @@ pub(super) fn run_batch(
         renew_from(0);
         outcome = run(jobs, later, Completion::PerJob, false, None, false).map(|ran| ran.expect("ran"));
     }
-    let sqlstate = match outcome {
+    let error = match outcome {
         Ok(tally) => {
             tally.publish();
             return;
         }
-        Err(sqlstate) => sqlstate,
+        Err(error) => error,
     };
     renew_from(0);
     if let [job] = jobs {
-        fail_in_own_transaction(*job, &sqlstate, worker_id);
+        fail_in_own_transaction(*job, &error, worker_id);
         return;
     }
     log!(
-        "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {sqlstate}; \
-         running its jobs one by one",
-        jobs.len()
+        "{WORKER_TYPE}: a batch of {} jobs failed as a whole with SQLSTATE {}; running its jobs one by one",
+        jobs.len(),
+        error.sqlstate()
     );
     for (position, job) in jobs.iter().enumerate() {
         // Renewed with `later` when due, so that the jobs after this one keep their leases.
         let waiting: Vec<(i64, Uuid)> = jobs[position + 1..].iter().chain(later).copied().collect();
         match run(std::slice::from_ref(job), &waiting, Completion::PerJob, false, None, false) {
             Ok(ran) => ran.expect("ran").publish(),
-            Err(sqlstate) => {
+            Err(error) => {
                 renew_from(position);
-                fail_in_own_transaction(*job, &sqlstate, worker_id);
+                fail_in_own_transaction(*job, &error, worker_id);
             }
         }
     }
 }
 
-/// Fails a job, fenced, with the code of the error its own transaction raised, in a new one.
-pub(super) fn fail_in_own_transaction(job: (i64, Uuid), sqlstate: &str, worker_id: &str) {
+/// Fails a job, fenced, with the code and text of the error its own transaction raised, in a
+/// new one.
+pub(super) fn fail_in_own_transaction(job: (i64, Uuid), error: &CaughtFailure, worker_id: &str) {
     let recorded = in_transaction_or_logged("recording a failure", || {
         BackgroundWorker::transaction(|| {
             let mut tally = Tally::default();
             // Its run's count went with its transaction: counted here, as claimed once.
             tally.count(Counter::Claimed);
-            let code = FailureCode::from_sqlstate(sqlstate);
-            with_worker_settings(|| {
-                execution::record_failure(job, worker_id, code, Some(sqlstate), &mut tally)
-            });
+            let sqlstate = error.sqlstate();
+            let code = FailureCode::from_sqlstate(&sqlstate);
+            let failure = Failure { code, sqlstate: Some(sqlstate), message: Some(error.message.clone()) };
+            with_worker_settings(|| execution::record_failure(job, worker_id, failure, &mut tally));
             tally
         })
     });

@@ -187,7 +187,7 @@ pub(super) fn give_back(jobs: &[(i64, Uuid)], worker_id: &str) {
     let deadline = Instant::now() + lease_length / 3;
     loop {
         match worker_transaction(|| lease::release_unstarted(jobs, worker_id)) {
-            Err(sqlstate) if sqlstate == "55P03" && Instant::now() < deadline => {
+            Err(error) if error.sqlstate() == "55P03" && Instant::now() < deadline => {
                 log!("{WORKER_TYPE}: giving jobs back waited for a lock past the lock timeout; trying again");
             }
             outcome => {

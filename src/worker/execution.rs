@@ -211,9 +211,9 @@ pub fn run_jobs(
                                 complete_succeeded(&mut succeeded, worker_id, margin_ms, &mut tally);
                                 completion = Completion::PerJob;
                             }
-                            if let Outcome::Failed(code, sqlstate) = outcome {
+                            if let Outcome::Failed(failure) = outcome {
                                 let _ = RowWaits::new(expiry, margin_ms).arm();
-                                record_failure(lease, worker_id, code, sqlstate.as_deref(), &mut tally);
+                                record_failure(lease, worker_id, failure, &mut tally);
                             }
                         }
                     }
@@ -308,14 +308,29 @@ fn complete_succeeded(
     leases.iter().for_each(|_| tally.count(Counter::Succeeded));
 }
 
+/// Why a job fails: its code, and the SQLSTATE and message of the handler's error, if it ran
+/// (or of the worker's reason it did not run).
+pub struct Failure {
+    pub code: FailureCode,
+    pub sqlstate: Option<String>,
+    pub message: Option<String>,
+}
+
+impl Failure {
+    /// A failure the worker decided without running the handler, for the reason `message` says.
+    fn unrun(code: FailureCode, message: &str) -> Outcome {
+        Outcome::Failed(Failure { code, sqlstate: None, message: Some(message.to_string()) })
+    }
+}
+
 /// What became of a job once its handler returned.
 enum Outcome {
     /// Completed (`PerJob`) or found stale, and counted.
     Counted,
     /// Succeeded, with its completion left to the batch (`Batched`).
     Pending,
-    /// To be failed with this code and the SQLSTATE of the handler's error, if it ran.
-    Failed(FailureCode, Option<String>),
+    /// To be failed so.
+    Failed(Failure),
     /// Given back to the queue with its attempt, unrun: its registration no longer serves it.
     GivenBack,
 }
@@ -333,7 +348,11 @@ fn run_job(
     let Some(handler) = job.handler else {
         // An enqueuer that no longer exists, or a handler it may not run (no EXECUTE, or an
         // owner that holds none of its rights).
-        return Outcome::Failed(FailureCode::TargetRejected, None);
+        return Failure::unrun(
+            FailureCode::TargetRejected,
+            "the handler may not run as the job's enqueuer: the role no longer exists, may not execute it, \
+             or the handler's owner holds none of its rights",
+        );
     };
     // First, as it takes in other sessions' changes to the catalog caches (memberships too).
     let routine_exists = routine_still_exists(handler.routine);
@@ -347,7 +366,7 @@ fn run_job(
     if !routine_exists {
         // Dropped since the batch resolved it (from its claim or its load), perhaps to be
         // created again (a registration keeps the signature): a retry resolves it anew.
-        return Outcome::Failed(FailureCode::TargetUnavailable, None);
+        return Failure::unrun(FailureCode::TargetUnavailable, "the handler no longer exists");
     }
     // Set while the worker completes the job after its handler returned: a wait of the
     // completion's given up there is the worker's, never the handler's.
@@ -401,25 +420,21 @@ fn run_job(
                 true => FailureCode::from_sqlstate(&sqlstate),
                 false => FailureCode::TargetUnavailable,
             };
-            return Outcome::Failed(code, Some(sqlstate));
+            return Outcome::Failed(Failure { code, sqlstate: Some(sqlstate), message: Some(error.message) });
         }
     }
     Outcome::Counted
 }
 
-/// The fenced failure of one job, with the SQLSTATE of the handler's error if there was one, in
-/// a subtransaction of its own: an error there (a deadlock with a concurrent cancel, a lock
-/// timeout) is logged and leaves the job to its lease, which another claim takes over once it
-/// expires. The caller has the worker's settings in force.
-pub fn record_failure(
-    (job_id, lease_token): (i64, Uuid),
-    worker_id: &str,
-    code: FailureCode,
-    sqlstate: Option<&str>,
-    tally: &mut Tally,
-) {
+/// The fenced failure of one job, with the SQLSTATE and message of the handler's error if there
+/// was one, in a subtransaction of its own: an error there (a deadlock with a concurrent cancel,
+/// a lock timeout) is logged and leaves the job to its lease, which another claim takes over
+/// once it expires. The caller has the worker's settings in force.
+pub fn record_failure((job_id, lease_token): (i64, Uuid), worker_id: &str, failure: Failure, tally: &mut Tally) {
     let outcome = in_subtransaction(|| {
-        let outcome = lease::fail_job(job_id, worker_id, lease_token, code, sqlstate);
+        let Failure { code, sqlstate, message } = &failure;
+        let outcome =
+            lease::fail_job(job_id, worker_id, lease_token, *code, sqlstate.as_deref(), message.as_deref());
         tally.count(Counter::for_outcome(outcome));
         true
     });

@@ -295,10 +295,6 @@ pub(crate) fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::E
     }
 }
 
-pub fn sqlstate_of(error: &pg_sys::panic::CaughtError) -> String {
-    sqlstate_text(report_of(error).sql_error_code() as i32)
-}
-
 /// Decodes a packed SQLSTATE (MAKE_SQLSTATE: five 6-bit characters, first in the low bits).
 pub(crate) fn sqlstate_text(packed: i32) -> String {
     (0..5).map(|i| (((packed >> (6 * i)) & 0x3F) as u8 + b'0') as char).collect()

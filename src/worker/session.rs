@@ -2,7 +2,7 @@
 //! the statistics it reports, the role it is bound to for life, and whether the extension is
 //! at this library's version.
 
-use super::sandbox;
+use super::sandbox::{self, CaughtFailure};
 use crate::pg::privilege::{with_worker_settings, Binding};
 use crate::pg::settings;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
@@ -80,11 +80,11 @@ pub(super) fn set_session_option(name: &std::ffi::CStr, value: &str) {
 }
 
 /// Runs `f` and returns its result; when `f` raises an error (which aborts the transaction it
-/// ran in, the commit included), rolls back, and returns the error's SQLSTATE. Called between
+/// ran in, the commit included), rolls back, and returns the error. Called between
 /// transactions only: it rolls back every level, also subtransactions an error left open (one
 /// raised while a job's subtransaction was released), which AbortCurrentTransaction would
 /// leave aborted with the transaction around them, failing every later poll.
-pub(super) fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+pub(super) fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, CaughtFailure> {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f())))
         .catch_others(|error| {
             sandbox::disarm_statement_timeout();
@@ -97,7 +97,11 @@ pub(super) fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
                 pg_sys::ConditionVariableCancelSleep();
                 pg_sys::QueryCancelPending = 0;
             }
-            Err(sandbox::sqlstate_of(&error))
+            let report = sandbox::report_of(&error);
+            Err(CaughtFailure {
+                packed_sqlstate: report.sql_error_code() as i32,
+                message: report.message().to_string(),
+            })
         })
         .execute()
 }
@@ -107,13 +111,12 @@ pub(super) fn in_transaction_or_logged<R>(what: &str, f: impl FnOnce() -> R) -> 
     logged(what, in_transaction(f))
 }
 
-/// The result of `what`, or None once its error (the SQLSTATE, as `in_transaction` returns it)
-/// is logged.
-pub(super) fn logged<R>(what: &str, outcome: Result<R, String>) -> Option<R> {
+/// The result of `what`, or None once its error (its SQLSTATE, never its text) is logged.
+pub(super) fn logged<R>(what: &str, outcome: Result<R, CaughtFailure>) -> Option<R> {
     match outcome {
         Ok(result) => Some(result),
-        Err(sqlstate) => {
-            log!("{WORKER_TYPE}: {what} failed with SQLSTATE {sqlstate}; rolled back");
+        Err(error) => {
+            log!("{WORKER_TYPE}: {what} failed with SQLSTATE {}; rolled back", error.sqlstate());
             None
         }
     }
@@ -173,10 +176,10 @@ pub(super) fn in_worker_transaction<R>(
 }
 
 /// Runs `f` in a transaction of its own with the worker's settings; an error is rolled back and
-/// returned (its SQLSTATE), as `in_transaction` does.
+/// returned, as `in_transaction` does.
 pub(super) fn worker_transaction<R>(
     f: impl FnOnce() -> R + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
-) -> Result<R, String> {
+) -> Result<R, CaughtFailure> {
     in_transaction(|| BackgroundWorker::transaction(|| with_worker_settings(f)))
 }
 
