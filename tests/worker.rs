@@ -2233,4 +2233,13 @@ fn a_completion_that_gives_up_waiting_for_its_row_is_not_blamed_on_the_handler()
     );
     assert_eq!(harness::table_rows(&mut client, "public.effects", "n"), ["(1)"], "one effect");
     assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
+    // The attempt history says what happened: the first attempt's lease lapsed (the completion
+    // left it to its lease), the second succeeded; no attempt failed.
+    let history: Vec<(i32, String, Option<String>)> = client
+        .query("SELECT attempt, outcome, sqlstate FROM durable_jobs.get_durable_job_attempts($1)", &[&job_id])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(history, [(1, "lease_expired".to_owned(), None), (2, "succeeded".to_owned(), None)]);
 }
