@@ -1,6 +1,6 @@
 //! The example external workers of docs/examples run against a real cluster: they claim, keep
-//! their lease alive through slow work, complete with their effects or fail with a stable code,
-//! and stop cleanly on SIGTERM.
+//! their lease alive through slow work, complete with their effects or fail with a stable code
+//! and a message, and stop cleanly on SIGTERM.
 
 use harness::{count, job_outcome, wait_until, Cluster};
 use std::path::PathBuf;
@@ -81,6 +81,12 @@ fn check_example_worker(cluster: &Cluster, mut worker: Child) {
         job_outcome(&mut client, "job_id = 4"),
         ("failed".into(), Some("target_unavailable".into()), 1)
     );
+    // Both pass their error's message, which the attempt keeps.
+    let message: Option<String> = client
+        .query_one("SELECT error_message FROM durable_jobs.get_durable_job_attempts(4)", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(message.as_deref(), Some("the target is down"));
     let names: Vec<String> = client
         .query("SELECT name FROM public.postcards ORDER BY name", &[])
         .unwrap()

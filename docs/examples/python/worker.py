@@ -111,13 +111,14 @@ def run_one(dsn, conn, worker_id):
                 raise psycopg.Rollback(txn)
     except (PermanentFailure, TransientFailure) as failure:
         conn.execute(
-            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, %s)",
-            (job_id, worker_id, lease_token, failure.code),
+            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, %s, %s)",
+            (job_id, worker_id, lease_token, failure.code, str(failure)),
         )
-    except Exception:
+    except Exception as error:
+        # The message is kept with the attempt (get_durable_job_attempts): never a secret.
         conn.execute(
-            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, 'unexpected_failure')",
-            (job_id, worker_id, lease_token),
+            "SELECT durable_jobs.fail_durable_job(%s, %s, %s, 'unexpected_failure', %s)",
+            (job_id, worker_id, lease_token, type(error).__name__),
         )
     finally:
         heartbeat.stop()

@@ -23,19 +23,26 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-/// Why a job failed, as one of durable_jobs' stable failure codes.
+/// Why a job failed, as one of durable_jobs' stable failure codes, with a message the job's
+/// attempt keeps (get_durable_job_attempts).
 enum Failure {
     /// No retry will fix it.
-    Permanent,
+    Permanent(&'static str),
     /// Worth retrying after a backoff, while attempts remain.
-    Transient,
+    Transient(&'static str),
 }
 
 impl Failure {
     fn code(&self) -> &'static str {
         match self {
-            Failure::Permanent => "invalid_request",
-            Failure::Transient => "target_unavailable",
+            Failure::Permanent(_) => "invalid_request",
+            Failure::Transient(_) => "target_unavailable",
+        }
+    }
+
+    fn message(&self) -> &'static str {
+        match self {
+            Failure::Permanent(message) | Failure::Transient(message) => message,
         }
     }
 }
@@ -43,7 +50,7 @@ impl Failure {
 /// The claim takes only these kinds: a worker never touches work it cannot do.
 const HANDLED_KINDS: [&str; 1] = ["postcard"];
 
-/// A `postcard` job's name and seconds, or `Permanent` when its payload is not what the kind
+/// A `postcard` job's name and seconds, or a `Permanent` failure when its payload is not what the kind
 /// takes: an object whose `name` is a string and whose `seconds`, if any, a number. Read with
 /// the server's jsonb functions, in no transaction of ours.
 fn checked(client: &mut Client, payload: &str) -> Result<(String, f64), Failure> {
@@ -57,18 +64,18 @@ fn checked(client: &mut Client, payload: &str) -> Result<(String, f64), Failure>
              FROM (SELECT $1::text::jsonb AS p) payload",
             &[&payload],
         )
-        .map_err(|_| Failure::Permanent)?;
+        .map_err(|_| Failure::Permanent("the payload is not JSON"))?;
     let (name, seconds, transient): (Option<String>, f64, bool) = (row.get(0), row.get(1), row.get(2));
-    let name = name.ok_or(Failure::Permanent)?;
+    let name = name.ok_or(Failure::Permanent("a postcard job needs a name, a string, and seconds, a number"))?;
     if transient {
-        return Err(Failure::Transient);
+        return Err(Failure::Transient("the target is down"));
     }
     Ok((name, seconds))
 }
 
 /// Runs inside the transaction that completes the job, so its writes commit with it.
 fn write_effects(txn: &mut Transaction, name: &str) -> Result<(), Failure> {
-    txn.execute("INSERT INTO public.postcards (name) VALUES ($1)", &[&name]).map_err(|_| Failure::Transient)?;
+    txn.execute("INSERT INTO public.postcards (name) VALUES ($1)", &[&name]).map_err(|_| Failure::Transient("the postcard could not be written"))?;
     Ok(())
 }
 
@@ -116,8 +123,8 @@ fn run_one(client: &mut Client, dsn: &str, worker_id: &str, lease: i32) -> Resul
     };
     if let Some(failure) = failure {
         client.execute(
-            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4)",
-            &[&job_id, &worker_id, &token, &failure.code()],
+            "SELECT durable_jobs.fail_durable_job($1, $2, $3::text::uuid, $4, $5)",
+            &[&job_id, &worker_id, &token, &failure.code(), &failure.message()],
         )?;
     }
     let _ = stop_heartbeat.send(());
