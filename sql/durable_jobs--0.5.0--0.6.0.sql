@@ -3,7 +3,7 @@
 -- applies that rule from the moment it is loaded, whatever the schema's version); the view
 -- durable_job_handlers shows whom each registration serves; each job keeps the history of its
 -- attempts, with the error text of failed ones (get_durable_job_attempts, fail_durable_job's
--- error_message). Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- error_message); diagnose_durable_job says why a job is where it is. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.6.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -163,6 +163,14 @@ CREATE FUNCTION durable_jobs.get_durable_job_attempts(job_id pg_catalog.int8)
     AS 'MODULE_PATHNAME', 'get_durable_job_attempts_wrapper';
 REVOKE ALL ON FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8) FROM PUBLIC;
 
+CREATE FUNCTION durable_jobs.diagnose_durable_job(job_id pg_catalog.int8)
+    RETURNS TABLE (reason pg_catalog.text, detail pg_catalog.text)
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'diagnose_durable_job_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8) FROM PUBLIC;
+
 -- What an update creates belongs to the role that runs it, a superuser. After REASSIGN OWNED the
 -- extension may belong to another role, which the library's functions act as: the new members
 -- are handed to it, with the privileges they have then recorded as the extension's own, as a
@@ -175,13 +183,16 @@ BEGIN
     EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_attempt OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8) OWNER TO %s',
                               extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8) OWNER TO %s',
+                              extension_owner);
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
     FROM pg_catalog.pg_class c
     WHERE c.oid = 'durable_jobs.durable_job_attempt'::pg_catalog.regclass
       AND i.objoid = c.oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
     UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
     FROM pg_catalog.pg_proc p
-    WHERE p.oid = 'durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure
+    WHERE p.oid IN ('durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;

@@ -1,8 +1,9 @@
--- durable_jobs 0.6.0 back to 0.5.0: the attempt history goes (its table, with the error texts
--- it kept, and the job columns of the latest attempt), fail_durable_job takes no error text, and
--- durable_job_handlers loses the columns that say whom each registration serves. The rule itself lives in the library: while the 0.6.0 library is loaded
--- it holds for a 0.5.0 schema too. Run by ALTER EXTENSION durable_jobs UPDATE TO '0.5.0';
--- tests/upgrade.rs checks that the result equals a fresh 0.5.0 install.
+-- durable_jobs 0.6.0 back to 0.5.0: diagnose_durable_job and the attempt history go (its table,
+-- with the error texts it kept, and the job columns of the latest attempt), fail_durable_job
+-- takes no error text, and durable_job_handlers loses the columns that say whom each
+-- registration serves. The trust rule itself lives in the library: while the 0.6.0 library is
+-- loaded it holds for a 0.5.0 schema too. Run by ALTER EXTENSION durable_jobs UPDATE TO
+-- '0.5.0'; tests/upgrade.rs checks that the result equals a fresh 0.5.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
 
 -- A view cannot drop columns in place: it is made again, and given back its owner, the grants
@@ -85,6 +86,7 @@ BEGIN
 END
 $remake$;
 
+DROP FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8);
 DROP FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8);
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_attempt;
 DROP TABLE durable_jobs.durable_job_attempt;

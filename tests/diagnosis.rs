@@ -192,3 +192,129 @@ fn an_external_workers_attempts_are_kept_with_their_messages() {
     client.query_one("SELECT durable_jobs.prune_durable_jobs('0 seconds')", &[]).unwrap();
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
 }
+
+/// The reasons diagnose_durable_job gives for a job, as the role `client` connects as.
+fn reasons(client: &mut Client, job_id: i64) -> Vec<String> {
+    client
+        .query("SELECT reason FROM durable_jobs.diagnose_durable_job($1)", &[&job_id])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+fn detail(client: &mut Client, job_id: i64, reason: &str) -> String {
+    client
+        .query_one("SELECT detail FROM durable_jobs.diagnose_durable_job($1) WHERE reason = $2", &[&job_id, &reason])
+        .unwrap()
+        .get(0)
+}
+
+fn enqueue_as(client: &mut Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).unwrap().get(0)
+}
+
+/// Each reason from a real situation, with the background worker switched off (so that jobs of
+/// kinds it has handlers for stay where they are): a group's handler that does not serve its
+/// member, a handler the enqueuer may not execute, a paused queue, a full one, a job due later,
+/// a kind without a handler, a running job, a finished one. A stranger sees no reason. (Broken on
+/// purpose, the registration's hold on the enqueuer's rights not asked: the member's job read
+/// handler_not_executable.)
+#[test]
+fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute(
+            "CREATE ROLE app_group NOLOGIN;  CREATE ROLE app_member LOGIN IN ROLE app_group;
+             CREATE ROLE app_producer LOGIN;  CREATE ROLE app_stranger LOGIN;
+             GRANT USAGE ON SCHEMA durable_jobs TO app_group, app_member, app_producer, app_stranger;
+             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.register_durable_job_handler(text, regprocedure),
+                 durable_jobs.diagnose_durable_job(bigint)
+               TO app_group, app_member, app_producer, app_stranger;
+             CREATE SCHEMA app AUTHORIZATION app_group;
+             GRANT USAGE ON SCHEMA app TO app_member, app_producer;
+             CREATE FUNCTION public.locked(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             REVOKE EXECUTE ON FUNCTION public.locked(jsonb) FROM PUBLIC;
+             SELECT durable_jobs.register_durable_job_handler('locked', 'public.locked(jsonb)');
+             CREATE FUNCTION public.open(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('open', 'public.open(jsonb)');
+             SELECT durable_jobs.pause_durable_job_queue('paused');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('narrow', 1);",
+        )
+        .unwrap();
+    let mut member = cluster.connect_as("app_member");
+    member
+        .batch_execute(
+            "SET ROLE app_group;
+             CREATE FUNCTION app.group_work(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('group_work', 'app.group_work(jsonb)');
+             RESET ROLE;",
+        )
+        .unwrap();
+    let members_job = enqueue_as(&mut member, "SELECT durable_jobs.enqueue_durable_job('group_work', '{}')");
+    let mut producer = cluster.connect_as("app_producer");
+    let locked = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('locked', '{}')");
+    let paused = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('open', '{}', queue_name => 'paused')");
+    let later = enqueue_as(
+        &mut producer,
+        "SELECT durable_jobs.enqueue_durable_job('external', '{}', run_after => now() + interval '1 hour')",
+    );
+    let ready = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}')");
+    let narrow: Vec<i64> = (0..2)
+        .map(|_| enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'narrow')"))
+        .collect();
+    let running = harness::claim_from(&mut admin, "worker-1", "narrow", 600).expect("a job of queue narrow");
+    assert_eq!(running.job_id, narrow[0]);
+    let done = enqueue_as(&mut admin, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'done')");
+    let finished = harness::claim_from(&mut admin, "worker-1", "done", 60).expect("the job of queue done");
+    assert_eq!(complete(&mut admin, &finished, "worker-1"), "succeeded");
+
+    assert_eq!(reasons(&mut member, members_job), ["handler_does_not_serve_enqueuer", "ready"]);
+    assert!(detail(&mut member, members_job, "handler_does_not_serve_enqueuer").contains("registered by app_group"));
+    assert_eq!(reasons(&mut producer, locked), ["handler_not_executable", "worker_off", "ready"]);
+    assert!(detail(&mut producer, locked, "handler_not_executable").contains("app_producer may not run the handler public.locked(jsonb)"));
+    assert!(detail(&mut producer, locked, "worker_off").contains("durable_jobs.worker_enabled is off"));
+    assert_eq!(reasons(&mut producer, paused), ["queue_paused", "worker_off"]);
+    assert!(detail(&mut producer, paused, "queue_paused").contains("queue paused is paused"));
+    assert_eq!(reasons(&mut producer, later), ["scheduled_later", "no_handler"]);
+    assert_eq!(reasons(&mut producer, ready), ["no_handler", "ready"]);
+    assert_eq!(reasons(&mut producer, narrow[1]), ["queue_at_concurrency_limit", "no_handler"]);
+    assert!(detail(&mut producer, narrow[1], "queue_at_concurrency_limit").contains("queue narrow runs 1 jobs"));
+    assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
+    assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));
+    assert_eq!(reasons(&mut admin, done), ["finished"]);
+    assert!(detail(&mut admin, done, "finished").starts_with("the job ended succeeded at "));
+
+    let mut stranger = cluster.connect_as("app_stranger");
+    for job in [members_job, locked, paused, later, ready, done] {
+        assert_eq!(reasons(&mut stranger, job), Vec::<String>::new(), "job {job} is not the stranger's");
+    }
+    assert_eq!(reasons(&mut admin, i64::MAX), Vec::<String>::new(), "no such job");
+}
+
+/// With the background worker on, a job it will run when due says only that, and a job it
+/// cannot serve says why it waits: worker_off is gone.
+#[test]
+fn a_job_the_running_worker_will_take_gives_no_worker_off() {
+    let cluster = Cluster::start(WORKER_CONF);
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.open(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('open', 'public.open(jsonb)');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "a background worker to run", || {
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'") > 0
+    });
+    let later = enqueue_as(
+        &mut client,
+        "SELECT durable_jobs.enqueue_durable_job('open', '{}', run_after => now() + interval '1 hour')",
+    );
+    wait_until(Duration::from_secs(30), "the worker to be switched on", || {
+        !reasons(&mut client, later).contains(&"worker_off".to_owned())
+    });
+    assert_eq!(reasons(&mut client, later), ["scheduled_later"]);
+}

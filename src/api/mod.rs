@@ -1,6 +1,7 @@
 //! What a user calls: the SQL functions, one module per group.
 
 pub mod attempts;
+pub mod diagnosis;
 pub mod enqueue;
 pub mod handlers;
 pub mod lease;

@@ -56,6 +56,20 @@ pub fn set_worker_wakeable(number: i32, wakeable: bool) {
     SLOTS.get().0[(number - 1) as usize].store(pid, Ordering::Relaxed);
 }
 
+/// How many background workers are running and switched on now (their slots are filled).
+pub fn awake_workers() -> usize {
+    if !preloaded() {
+        return 0;
+    }
+    SLOTS
+        .get()
+        .0
+        .iter()
+        .map(|slot| slot.load(Ordering::Relaxed))
+        .filter(|&pid| pid != 0 && !unsafe { pg_sys::BackendPidGetProc(pid) }.is_null())
+        .count()
+}
+
 /// Asks for the workers to be woken when the current transaction commits.
 pub fn wake_workers_at_commit() {
     if !SHARED_MEMORY.load(Ordering::Relaxed) || WAKE_AT_COMMIT.swap(true, Ordering::Relaxed) {

@@ -1,0 +1,231 @@
+//! diagnose_durable_job: why a job is where it is, as every reason that holds now, each a stable
+//! word with a sentence for people. Visible as `get_durable_job` shows the job.
+
+use crate::api::status::sees_all_jobs;
+use crate::jobs::arguments;
+use crate::jobs::trust::{registration_serves, runnable_handler};
+use crate::jobs::wakeup;
+use crate::pg::plans;
+use crate::pg::privilege::{as_extension_owner_of, caller};
+use crate::pg::settings;
+use pgrx::prelude::*;
+
+// The job, its queue's controls and its kind's registration, with the times the sentences show
+// as text (in the caller's DateStyle and TimeZone).
+const JOB_AND_SURROUNDINGS: &str = concat!(
+    "
+    SELECT j.job_state, j.queue_name, j.job_kind, j.enqueued_by::pg_catalog.text, j.attempt_count,
+           j.max_attempts, j.run_after > pg_catalog.clock_timestamp(), j.run_after::pg_catalog.text,
+           j.lease_owner, j.lease_expires_at > pg_catalog.clock_timestamp(), j.lease_expires_at::pg_catalog.text,
+           j.finished_at::pg_catalog.text,
+           COALESCE(q.paused, false), q.changed_by::pg_catalog.text, q.changed_at::pg_catalog.text,
+           q.concurrency_limit,
+           CASE WHEN q.concurrency_limit IS NOT NULL
+                THEN durable_jobs.durable_job_queue_running(q.queue_name) END,
+           h.handler, h.registered_by::pg_catalog.text,
+           (SELECT p.proowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_proc p
+            WHERE p.oid = pg_catalog.to_regprocedure(h.handler)),
+           pg_catalog.current_database()::pg_catalog.text
+    FROM durable_jobs.durable_job j
+    LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+    LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
+    WHERE j.job_id = $1 AND ",
+    crate::visible_to_caller!()
+);
+
+/// What the diagnosis reads of a job and around it.
+struct Job {
+    state: String,
+    queue: String,
+    kind: String,
+    enqueuer: String,
+    attempts: i32,
+    max_attempts: i32,
+    due_later: bool,
+    run_after: String,
+    lease_owner: Option<String>,
+    lease_live: Option<bool>,
+    lease_expires_at: Option<String>,
+    finished_at: Option<String>,
+    paused: bool,
+    paused_by: Option<String>,
+    paused_at: Option<String>,
+    limit: Option<i32>,
+    running: Option<i64>,
+    handler: Option<String>,
+    registered_by: Option<String>,
+    handler_owner: Option<String>,
+    database: String,
+}
+
+type Reason = (&'static str, String);
+
+fn read_job(job_id: i64) -> Option<Job> {
+    let caller = caller();
+    as_extension_owner_of(|installed| {
+        let sees_all = sees_all_jobs(&caller, installed.owner);
+        Spi::connect_mut(|client| {
+            let args = [job_id.into(), sees_all.into(), caller.role_oid.into()];
+            let rows = plans::execute(client, JOB_AND_SURROUNDINGS, &args);
+            rows.into_iter().next().map(|row| Job {
+                state: row.get(1).unwrap().expect("job_state"),
+                queue: row.get(2).unwrap().expect("queue_name"),
+                kind: row.get(3).unwrap().expect("job_kind"),
+                enqueuer: row.get(4).unwrap().expect("enqueued_by"),
+                attempts: row.get(5).unwrap().expect("attempt_count"),
+                max_attempts: row.get(6).unwrap().expect("max_attempts"),
+                due_later: row.get(7).unwrap().expect("run_after"),
+                run_after: row.get(8).unwrap().expect("run_after"),
+                lease_owner: row.get(9).unwrap(),
+                lease_live: row.get(10).unwrap(),
+                lease_expires_at: row.get(11).unwrap(),
+                finished_at: row.get(12).unwrap(),
+                paused: row.get(13).unwrap().expect("paused"),
+                paused_by: row.get(14).unwrap(),
+                paused_at: row.get(15).unwrap(),
+                limit: row.get(16).unwrap(),
+                running: row.get(17).unwrap(),
+                handler: row.get(18).unwrap(),
+                registered_by: row.get(19).unwrap(),
+                handler_owner: row.get(20).unwrap(),
+                database: row.get(21).unwrap().expect("current_database"),
+            })
+        })
+    })
+}
+
+/// Why the background workers run no job of this database now, if they do not.
+fn why_no_worker_runs(database: &str) -> Option<String> {
+    if !wakeup::preloaded() {
+        return Some("durable_jobs is not in shared_preload_libraries: no background worker runs".into());
+    }
+    if settings::WORKER_COUNT.get() == 0 {
+        return Some("durable_jobs.worker_count is 0: no background worker runs".into());
+    }
+    if !settings::WORKER_ENABLED.get() {
+        return Some("durable_jobs.worker_enabled is off: the background workers claim no job".into());
+    }
+    let workers_database = settings::DATABASE.get().map(|name| name.to_string_lossy().into_owned());
+    if workers_database.as_deref() != Some(database) {
+        return Some(format!(
+            "the background workers work in database {}, not in this one",
+            workers_database.unwrap_or_default()
+        ));
+    }
+    if wakeup::awake_workers() == 0 {
+        return Some("no background worker is running now (one is starting, or restarting after an error)".into());
+    }
+    None
+}
+
+/// Why the background workers do not run a pending job of a kind they have a handler for.
+fn handler_reasons(job: &Job, handler: &str, registered_by: &str, reasons: &mut Vec<Reason>) {
+    if !registration_serves(registered_by, &job.enqueuer) {
+        reasons.push((
+            "handler_does_not_serve_enqueuer",
+            format!(
+                "the handler of kind {} was registered by {registered_by}, which holds none of the rights of {}, the \
+                 job's enqueuer: the background workers leave the job to external workers",
+                job.kind, job.enqueuer
+            ),
+        ));
+        return;
+    }
+    if runnable_handler(handler, &job.enqueuer, registered_by).is_none() {
+        let why = match &job.handler_owner {
+            None => format!("the handler {handler} does not exist"),
+            Some(owner) => format!(
+                "{} may not run the handler {handler}: it may not execute it, or its owner {owner} holds none \
+                 of its rights",
+                job.enqueuer
+            ),
+        };
+        reasons.push((
+            "handler_not_executable",
+            format!("{why}; a background worker that claims the job fails it target_rejected"),
+        ));
+    }
+    if let Some(why) = why_no_worker_runs(&job.database) {
+        reasons.push(("worker_off", why));
+    }
+}
+
+fn diagnose(job: &Job) -> Vec<Reason> {
+    let mut reasons = Vec::new();
+    match job.state.as_str() {
+        "succeeded" | "failed" | "cancelled" => {
+            let at = job.finished_at.as_deref().unwrap_or("an unknown time");
+            reasons.push(("finished", format!("the job ended {} at {at}", job.state)));
+            return reasons;
+        }
+        "running" => {
+            let owner = job.lease_owner.as_deref().unwrap_or_default();
+            let until = job.lease_expires_at.as_deref().unwrap_or_default();
+            let detail = if job.lease_live == Some(true) {
+                format!("attempt {} of {} runs on worker {owner}, its lease until {until}", job.attempts, job.max_attempts)
+            } else if job.attempts < job.max_attempts {
+                format!(
+                    "attempt {} lost its lease (worker {owner}) at {until}: the next claim takes the job again",
+                    job.attempts
+                )
+            } else {
+                format!(
+                    "attempt {}, its last, lost its lease (worker {owner}) at {until}: the job ends lease_expired",
+                    job.attempts
+                )
+            };
+            reasons.push(("running", detail));
+            return reasons;
+        }
+        _ => {}
+    }
+    if job.due_later {
+        let retry = if job.attempts > 0 { format!(", a retry after attempt {}", job.attempts) } else { String::new() };
+        reasons.push(("scheduled_later", format!("the job is due at {}{retry}", job.run_after)));
+    }
+    if job.paused {
+        reasons.push((
+            "queue_paused",
+            format!(
+                "queue {} is paused, since {} by {}",
+                job.queue,
+                job.paused_at.as_deref().unwrap_or_default(),
+                job.paused_by.as_deref().unwrap_or_default()
+            ),
+        ));
+    }
+    let full = matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
+    if full {
+        reasons.push((
+            "queue_at_concurrency_limit",
+            format!("queue {} runs {} jobs, its concurrency limit", job.queue, job.running.unwrap_or_default()),
+        ));
+    }
+    match (&job.handler, &job.registered_by) {
+        (Some(handler), Some(registered_by)) => handler_reasons(job, handler, registered_by, &mut reasons),
+        _ => reasons.push((
+            "no_handler",
+            format!(
+                "no handler is registered for kind {}: only an external worker that claims it runs the job",
+                job.kind
+            ),
+        )),
+    }
+    if !job.due_later && !job.paused && !full {
+        reasons.push((
+            "ready",
+            format!("nothing in queue {} holds the job back: the next claim of its queue and kind takes it", job.queue),
+        ));
+    }
+    reasons
+}
+
+#[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
+#[search_path(pg_catalog, pg_temp)]
+fn diagnose_durable_job(
+    job_id: Option<i64>,
+) -> TableIterator<'static, (name!(reason, String), name!(detail, String))> {
+    let job_id = arguments::required(job_id, "job_id");
+    let reasons = read_job(job_id).map(|job| diagnose(&job)).unwrap_or_default();
+    TableIterator::new(reasons.into_iter().map(|(reason, detail)| (reason.to_string(), detail)))
+}
