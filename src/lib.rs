@@ -31,6 +31,7 @@ pub extern "C-unwind" fn _PG_init() {
     if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         pg::settings::register_postmaster_settings();
         jobs::counters::init_shared_memory();
+        jobs::histograms::init_shared_memory();
         jobs::wakeup::init_shared_memory();
         jobs::sleepers::init_shared_memory();
         worker::runner::init_shared_memory();

@@ -2,6 +2,7 @@
 //! extend_durable_job_lease and cancel_durable_job.
 
 use crate::jobs::arguments;
+use crate::jobs::counters::{self, Counter};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease::{claim_jobs, complete_job, fail_job, first_value_of, state_and_permission};
 use crate::jobs::statements::{CANCEL, CANCEL_ON_OLD_SCHEMA, CANCEL_WITHOUT_HISTORY, EXTEND, LOCK_FOR_CANCEL};
@@ -109,6 +110,9 @@ fn claim_for_caller(
             1,
         )
     });
+    for _ in &claimed {
+        counters::count_sql_api_call_at_commit(Counter::Claimed, None);
+    }
     TableIterator::new(claimed.into_iter().map(|job| {
         (
             job.job_id,
@@ -130,7 +134,9 @@ fn complete_durable_job(
     lease_token: Option<Uuid>,
 ) -> &'static str {
     let holder = LeaseHolder::new(job_id, worker_id, lease_token);
-    complete_job(holder.job_id, &holder.worker_id, holder.lease_token)
+    let (outcome, observed) = complete_job(holder.job_id, &holder.worker_id, holder.lease_token);
+    counters::count_sql_api_call_at_commit(Counter::for_outcome(outcome), observed);
+    outcome
 }
 
 /// fail_durable_job(job_id, worker_id, lease_token, failure_code, error_message): the SQL API's
@@ -147,7 +153,10 @@ fn fail_durable_job_with_message(
 ) -> &'static str {
     let holder = LeaseHolder::new(job_id, worker_id, lease_token);
     let code = FailureCode::from_caller(&arguments::required(failure_code, "failure_code"));
-    fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code, None, error_message.as_deref())
+    let (outcome, observed) =
+        fail_job(holder.job_id, &holder.worker_id, holder.lease_token, code, None, error_message.as_deref());
+    counters::count_sql_api_call_at_commit(Counter::for_outcome(outcome), observed);
+    outcome
 }
 
 /// The four-argument failure of schemas before 0.6.0, which this library serves until ALTER

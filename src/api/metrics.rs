@@ -1,8 +1,9 @@
-//! durable_job_metrics() and durable_job_metrics_prometheus(): the worker counters, job counts per
-//! state and per-queue gauges, under a fixed set of names. Nothing here ever carries a payload,
-//! key, id, role, SQL or error text.
+//! durable_job_metrics() and durable_job_metrics_prometheus(): the counters, job counts per
+//! state, and per-queue gauges and histograms, under a fixed set of names. Nothing here ever
+//! carries a payload, key, id, role, SQL or error text.
 
 use crate::jobs::counters::{counter_value, Counter};
+use crate::jobs::histograms::{self, HistogramValues, BUCKET_BOUNDS, QUEUE_SLOTS};
 use crate::pg::privilege::as_extension_owner;
 use pgrx::prelude::*;
 
@@ -54,12 +55,13 @@ fn durable_job_metrics_prometheus() -> String {
         text.push_str(&format!("durable_jobs_jobs{{state=\"{state}\"}} {value}\n"));
     }
     text.push_str(&queue_gauges());
+    text.push_str(&queue_histograms());
     text
 }
 
 /// At most this many queues get their own series; the rest are counted in
-/// `durable_jobs_queues_not_exported`.
-pub const EXPORTED_QUEUES_LIMIT: i64 = 100;
+/// `durable_jobs_queues_not_exported` (gauges) or share the series of queue "" (histograms).
+pub const EXPORTED_QUEUES_LIMIT: i64 = QUEUE_SLOTS as i64;
 
 // Per queue with a pending job or a control (a row resumed and unlimited is none): ready jobs
 // (available, run_after passed), running jobs, and the age of the oldest ready job; the queues with
@@ -135,6 +137,46 @@ fn queue_gauges() -> String {
          # TYPE durable_jobs_queues_not_exported gauge\ndurable_jobs_queues_not_exported {}\n",
         (total - rows.len() as i64).max(0)
     ));
+    text
+}
+
+/// The attempts' wait and run time per queue (`jobs::histograms`), as Prometheus histograms; the
+/// queues beyond the first `QUEUE_SLOTS` seen share the series of queue "" (no queue is named so).
+fn queue_histograms() -> String {
+    let (queues, other_wait, other_run) = histograms::read_all();
+    let families: [(&str, &str, fn(&(String, HistogramValues, HistogramValues)) -> HistogramValues); 2] = [
+        (
+            "durable_jobs_job_queue_wait_seconds",
+            "Time from a job's run_after to its attempt's claim, per queue, observed when the attempt completes or fails.",
+            |q| q.1,
+        ),
+        (
+            "durable_jobs_job_run_seconds",
+            "Time from an attempt's claim to its completion or failure, per queue.",
+            |q| q.2,
+        ),
+    ];
+    let other = (String::new(), other_wait, other_run);
+    let mut text = String::new();
+    for (name, help, values_of) in families {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        let shared = values_of(&other);
+        let rows = queues.iter().chain((shared.buckets.iter().sum::<u64>() > 0).then_some(&other));
+        for queue in rows {
+            let values = values_of(queue);
+            let label = label_value(&queue.0);
+            let mut cumulative = 0;
+            for (bucket, count) in values.buckets.iter().enumerate() {
+                cumulative += count;
+                let bound = BUCKET_BOUNDS.get(bucket).map_or("+Inf".to_string(), |b| b.to_string());
+                text.push_str(&format!("{name}_bucket{{queue=\"{label}\",le=\"{bound}\"}} {cumulative}\n"));
+            }
+            text.push_str(&format!(
+                "{name}_sum{{queue=\"{label}\"}} {:.6}\n{name}_count{{queue=\"{label}\"}} {cumulative}\n",
+                values.sum_microseconds as f64 / 1e6
+            ));
+        }
+    }
     text
 }
 

@@ -48,7 +48,20 @@ macro_rules! attempt_history {
                     FROM expired e)"
     };
     (failed_returning) => {
-        ", job_id, attempt_count, attempt_started_at"
+        ", job_id, attempt_count, attempt_started_at, queue_name"
+    };
+    // What a completion returns for the histograms: the attempt's queue, its wait from run_after
+    // to its claim and its run from the claim to now, in microseconds (NULL for an attempt
+    // claimed before the update to 0.6.0).
+    (observed) => {
+        ", queue_name,
+               (pg_catalog.date_part('epoch', attempt_started_at - run_after) * 1000000)::pg_catalog.int8,
+               (pg_catalog.date_part('epoch', pg_catalog.clock_timestamp() - attempt_started_at) * 1000000)::pg_catalog.int8"
+    };
+    (failed_observed) => {
+        ", f.queue_name,
+           (pg_catalog.date_part('epoch', f.attempt_started_at - previous.run_after) * 1000000)::pg_catalog.int8,
+           (pg_catalog.date_part('epoch', pg_catalog.clock_timestamp() - f.attempt_started_at) * 1000000)::pg_catalog.int8"
     };
     // FAIL's attempt: $2 the worker, $7 the failure code, $8 the SQLSTATE, $9 the message.
     (failed) => {

@@ -1,8 +1,13 @@
-//! The worker counters in shared memory (idle polls, claimed, succeeded, ...), which the worker
-//! and its runners add to after their transactions commit; `api::metrics` reports them.
+//! The counters in shared memory (idle polls, claimed, succeeded, ...), which the background
+//! workers and their runners add to after their transactions commit, and the SQL API's claims,
+//! completions and failures when their caller's transaction commits; with the attempts' wait and
+//! run times (`histograms`). `api::metrics` reports them.
 
+use crate::jobs::histograms::{self, Observation};
+use crate::pg::latch::at_commit_or_forget;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 #[derive(Clone, Copy)]
@@ -13,38 +18,50 @@ pub enum Counter {
     Retried,
     Failed,
     Stale,
+    SqlApiClaimed,
+    SqlApiSucceeded,
+    SqlApiRetried,
+    SqlApiFailed,
+    SqlApiStale,
 }
 
+/// How many counters there are.
+const COUNTER_KINDS: usize = 11;
+
 impl Counter {
-    pub const ALL: [Counter; 6] = [
+    pub const ALL: [Counter; COUNTER_KINDS] = [
         Counter::IdlePolls,
         Counter::Claimed,
         Counter::Succeeded,
         Counter::Retried,
         Counter::Failed,
         Counter::Stale,
+        Counter::SqlApiClaimed,
+        Counter::SqlApiSucceeded,
+        Counter::SqlApiRetried,
+        Counter::SqlApiFailed,
+        Counter::SqlApiStale,
     ];
 
     pub fn help(self) -> &'static str {
         match self {
             Counter::IdlePolls => "Background worker polls that found no job.",
-            Counter::Claimed => "Jobs the background workers claimed and ran or found lost (external workers' claims excluded; a job given back unrun counts when it runs).",
+            Counter::Claimed => {
+                "Jobs claimed, by the background workers (counted when a batch runs them) and through \
+                 claim_next_durable_job."
+            }
             Counter::Succeeded => {
-                "Handler runs of the background workers that committed with their job's success \
-                                   (external workers excluded)."
+                "Attempts that completed their job, in the background workers (with their handler's \
+                 writes) and through complete_durable_job."
             }
-            Counter::Retried => {
-                "Handler failures in the background workers that sent the job back for another \
-                                 attempt (external workers excluded)."
-            }
-            Counter::Failed => {
-                "Handler failures in the background workers that ended the job (external workers \
-                                excluded)."
-            }
-            Counter::Stale => {
-                "Jobs the background workers claimed whose lease was lost before they finished them \
-                               (external workers excluded)."
-            }
+            Counter::Retried => "Attempts that failed and sent their job back for another attempt.",
+            Counter::Failed => "Attempts that failed and ended their job.",
+            Counter::Stale => "Completions and failures refused because the lease was lost before them.",
+            Counter::SqlApiClaimed => "Of claimed: the claims of claim_next_durable_job.",
+            Counter::SqlApiSucceeded => "Of succeeded: the completions of complete_durable_job.",
+            Counter::SqlApiRetried => "Of retried: the failures of fail_durable_job that retried their job.",
+            Counter::SqlApiFailed => "Of failed: the failures of fail_durable_job that ended their job.",
+            Counter::SqlApiStale => "Of stale: the calls of complete_durable_job and fail_durable_job told stale.",
         }
     }
 
@@ -56,6 +73,23 @@ impl Counter {
             Counter::Retried => "retried",
             Counter::Failed => "failed",
             Counter::Stale => "stale",
+            Counter::SqlApiClaimed => "sql_api_claimed",
+            Counter::SqlApiSucceeded => "sql_api_succeeded",
+            Counter::SqlApiRetried => "sql_api_retried",
+            Counter::SqlApiFailed => "sql_api_failed",
+            Counter::SqlApiStale => "sql_api_stale",
+        }
+    }
+
+    /// The SQL API's share of this counter, if it has one.
+    fn sql_api_share(self) -> Option<Counter> {
+        match self {
+            Counter::Claimed => Some(Counter::SqlApiClaimed),
+            Counter::Succeeded => Some(Counter::SqlApiSucceeded),
+            Counter::Retried => Some(Counter::SqlApiRetried),
+            Counter::Failed => Some(Counter::SqlApiFailed),
+            Counter::Stale => Some(Counter::SqlApiStale),
+            _ => None,
         }
     }
 
@@ -71,7 +105,7 @@ impl Counter {
 }
 
 #[derive(Default)]
-pub struct WorkerCounters([AtomicU64; 6]);
+pub struct WorkerCounters([AtomicU64; COUNTER_KINDS]);
 
 unsafe impl PGRXSharedMemory for WorkerCounters {}
 
@@ -99,17 +133,61 @@ fn add(counter: Counter, amount: u64) {
 /// Outcomes of a transaction's jobs, published only once it has committed, so that the
 /// counters never count work that a failed commit rolled back.
 #[derive(Default)]
-pub struct Tally([u64; 6]);
+pub struct Tally {
+    counts: [u64; COUNTER_KINDS],
+    observations: Vec<Observation>,
+}
 
 impl Tally {
     pub fn count(&mut self, counter: Counter) {
-        self.0[counter as usize] += 1;
+        self.counts[counter as usize] += 1;
+    }
+
+    /// An attempt that completed or failed, for the histograms.
+    pub fn observe(&mut self, observation: Option<Observation>) {
+        self.observations.extend(observation);
     }
 
     pub fn publish(&self) {
         for counter in Counter::ALL {
-            add(counter, self.0[counter as usize]);
+            add(counter, self.counts[counter as usize]);
         }
+        self.observations.iter().for_each(histograms::observe);
+    }
+}
+
+thread_local! {
+    /// What the SQL API's calls of the current transaction count once it commits.
+    static AT_COMMIT: RefCell<Option<Tally>> = const { RefCell::new(None) };
+}
+
+/// Counts `counter` and its SQL API share, and observes the attempt, when the current
+/// transaction commits (never, if it rolls back or is prepared).
+pub fn count_sql_api_call_at_commit(counter: Counter, observation: Option<Observation>) {
+    if !SHARED_MEMORY.load(Ordering::Relaxed) {
+        return;
+    }
+    AT_COMMIT.with(|pending| {
+        let mut pending = pending.borrow_mut();
+        let tally = pending.get_or_insert_with(|| {
+            at_commit_or_forget(publish_at_commit, forget_at_end);
+            Tally::default()
+        });
+        tally.count(counter);
+        if let Some(share) = counter.sql_api_share() {
+            tally.count(share);
+        }
+        tally.observe(observation);
+    });
+}
+
+fn forget_at_end() {
+    AT_COMMIT.with(|pending| pending.borrow_mut().take());
+}
+
+fn publish_at_commit() {
+    if let Some(tally) = AT_COMMIT.with(|pending| pending.borrow_mut().take()) {
+        tally.publish();
     }
 }
 

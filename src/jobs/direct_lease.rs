@@ -21,7 +21,7 @@ use crate::pg::latch::{my_procno_plus_one, set_latch_of};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_found, set_at_this_level};
 use crate::pg::settings::{self, WORKER_COUNT_LIMIT};
-use crate::pg::shared_words::{store_role, store_token};
+use crate::pg::shared_words::{store_name, store_token};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::Uuid;
@@ -309,7 +309,7 @@ fn before_commit() {
         // What a worker that stops waiting for this commit needs to give the job back.
         sleeper.job_id.store(leased.job.0, SeqCst);
         store_token(&sleeper.lease_token, leased.job.1);
-        store_role(&sleeper.enqueued_by, &leased.enqueued_by);
+        store_name(&sleeper.enqueued_by, &leased.enqueued_by);
         sleeper.leased_at.store(leased.leased_at, SeqCst);
         sleeper.lease_seconds_leased.store(reservation.lease_seconds, SeqCst);
         sleeper.transaction.store(unsafe { pg_sys::GetTopTransactionIdIfAny() }.into(), SeqCst);

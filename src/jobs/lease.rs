@@ -8,9 +8,10 @@
 
 use crate::jobs::attempts;
 use crate::jobs::failure::FailureCode;
+use crate::jobs::histograms::Observation;
 use crate::jobs::statements::{
     CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
-    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA,
+    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA,
     FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED,
     RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD,
     STATE_AND_PERMISSION,
@@ -193,25 +194,51 @@ pub fn claim_jobs(
     })
 }
 
-/// Fenced completion: `succeeded` or `stale`.
-pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> &'static str {
+/// The attempt a completion or failure returned (columns `first`, `first + 1`, `first + 2`:
+/// queue, wait and run time), when the schema keeps its start.
+fn observation(row: &pgrx::spi::SpiHeapTupleData, first: usize) -> Option<Observation> {
+    Some(Observation {
+        queue: row.get(first).ok()??,
+        wait_microseconds: row.get(first + 1).ok()??,
+        run_microseconds: row.get(first + 2).ok()??,
+    })
+}
+
+/// Runs a fenced transition that returns one row, `(outcome, queue, wait, run)` where the
+/// schema has the attempt history, else `(outcome)`.
+fn fenced<T: FromDatum + IntoDatum>(statement: &str, args: &[DatumWithOid]) -> Option<(T, Option<Observation>)> {
+    Spi::connect_mut(|client| {
+        let rows = plans::execute(client, statement, args);
+        let row = rows.into_iter().next()?;
+        let outcome = row.get::<T>(1).expect(statement)?;
+        let observed = if row.columns() == 4 { observation(&row, 2) } else { None };
+        Some((outcome, observed))
+    })
+}
+
+/// Fenced completion: `succeeded` (with the attempt, for the histograms) or `stale`.
+pub fn complete_job(job_id: i64, worker_id: &str, lease_token: Uuid) -> (&'static str, Option<Observation>) {
     let args = [job_id.into(), worker_id.into(), lease_token.into()];
     let completed = as_extension_owner_of(|installed| {
-        let statement = if installed.has_status_api { COMPLETE } else { COMPLETE_ON_OLD_SCHEMA };
-        first_value_of::<i64>(statement, &args)
+        let statement = match (installed.has_attempt_history, installed.has_status_api) {
+            (true, _) => COMPLETE,
+            (false, true) => COMPLETE_WITHOUT_HISTORY,
+            (false, false) => COMPLETE_ON_OLD_SCHEMA,
+        };
+        fenced::<i64>(statement, &args)
     });
     match completed {
-        Some(_) => {
+        Some((_, observed)) => {
             waiters::wake_waiters_at_commit([job_id], Change::Terminal);
-            "succeeded"
+            ("succeeded", observed)
         }
-        None => "stale",
+        None => ("stale", None),
     }
 }
 
-/// Fenced failure: `retried`, `failed` or `stale`. `sqlstate`: that of the handler error behind
-/// it, when the background worker ran the handler; `message`, the error's text, which the
-/// attempt keeps (`attempts::kept_message`).
+/// Fenced failure: `retried`, `failed` (with the attempt, for the histograms) or `stale`.
+/// `sqlstate`: that of the handler error behind it, when the background worker ran the handler;
+/// `message`, the error's text, which the attempt keeps (`attempts::kept_message`).
 pub fn fail_job(
     job_id: i64,
     worker_id: &str,
@@ -219,7 +246,7 @@ pub fn fail_job(
     code: FailureCode,
     sqlstate: Option<&str>,
     message: Option<&str>,
-) -> &'static str {
+) -> (&'static str, Option<Observation>) {
     let mut args: Vec<DatumWithOid> = vec![
         job_id.into(),
         worker_id.into(),
@@ -233,23 +260,24 @@ pub fn fail_job(
         if installed.has_attempt_history {
             args.push(sqlstate.into());
             args.push(attempts::kept_message(message).into());
-            first_value_of::<String>(FAIL, &args)
+            fenced::<String>(FAIL, &args)
         } else if installed.has_status_api {
             args.push(sqlstate.into());
-            first_value_of::<String>(FAIL_WITHOUT_HISTORY, &args)
+            fenced::<String>(FAIL_WITHOUT_HISTORY, &args)
         } else {
-            first_value_of::<String>(FAIL_ON_OLD_SCHEMA, &args)
+            fenced::<String>(FAIL_ON_OLD_SCHEMA, &args)
         }
     });
-    match outcome.as_deref() {
-        Some("available") => waiters::wake_waiters_at_commit([job_id], Change::Other),
-        Some(_) => waiters::wake_waiters_at_commit([job_id], Change::Terminal),
-        None => {}
-    }
-    match outcome.as_deref() {
-        Some("available") => "retried",
-        Some(_) => "failed",
-        None => "stale",
+    match outcome {
+        Some((state, observed)) if state == "available" => {
+            waiters::wake_waiters_at_commit([job_id], Change::Other);
+            ("retried", observed)
+        }
+        Some((_, observed)) => {
+            waiters::wake_waiters_at_commit([job_id], Change::Terminal);
+            ("failed", observed)
+        }
+        None => ("stale", None),
     }
 }
 
@@ -304,12 +332,20 @@ pub fn renew_leases_after_rollback(
 }
 
 /// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns the ids of those
-/// that were. `skip_held`: rows another session holds are left out instead of waited for.
-pub fn complete_jobs(jobs: &[(i64, Uuid)], worker_id: &str, skip_held: bool) -> Vec<i64> {
+/// that were, with their attempts. `skip_held`: rows another session holds are left out instead
+/// of waited for. The background worker's only (a schema of its version).
+pub fn complete_jobs(jobs: &[(i64, Uuid)], worker_id: &str, skip_held: bool) -> Vec<(i64, Option<Observation>)> {
     let statement = if skip_held { COMPLETE_BATCH_SKIPPING_HELD } else { COMPLETE_BATCH };
-    let completed: Vec<i64> =
-        over_leases::<i64>(statement, jobs, worker_id, None).into_iter().map(|(id, _)| id).collect();
-    waiters::wake_waiters_at_commit(completed.iter().copied(), Change::Terminal);
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
+    let args: [DatumWithOid; 3] = [ids.into(), tokens.into(), worker_id.into()];
+    let completed: Vec<(i64, Option<Observation>)> = as_extension_owner(|| {
+        Spi::connect_mut(|client| {
+            plans::execute_generic(client, statement, &args)
+                .map(|row| (row.get(1).unwrap().expect("job_id"), observation(&row, 2)))
+                .collect()
+        })
+    });
+    waiters::wake_waiters_at_commit(completed.iter().map(|(id, _)| *id), Change::Terminal);
     completed
 }
 

@@ -7,7 +7,7 @@
 
 use crate::pg::latch::{my_procno_plus_one, sleep_on_latch};
 use crate::pg::settings::WORKER_COUNT_LIMIT;
-use crate::pg::shared_words::{load_role, load_token, ROLE_WORDS};
+use crate::pg::shared_words::{load_name, load_token, ROLE_WORDS};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{PGRXSharedMemory, PgAtomic, Uuid};
@@ -187,7 +187,7 @@ pub fn wake_up(number: i32) -> Handed {
             }
             HANDED => {
                 let handed = HandedJob {
-                    enqueued_by: load_role(&sleeper.enqueued_by),
+                    enqueued_by: load_name(&sleeper.enqueued_by),
                     job: (sleeper.job_id.load(SeqCst), load_token(&sleeper.lease_token)),
                     leased_at: instant_of(sleeper.leased_at.load(SeqCst)),
                     lease_seconds: sleeper.lease_seconds_leased.load(SeqCst),

@@ -201,7 +201,7 @@ pub(crate) const EXPIRE_EXHAUSTED: &str = concat!(
 );
 
 macro_rules! complete_statement {
-    ($status_columns:expr) => {
+    ($status_columns:expr, $history:ident) => {
         concat!(
             "
             UPDATE durable_jobs.durable_job
@@ -212,13 +212,16 @@ macro_rules! complete_statement {
             WHERE ",
             lease_fence!(),
             "
-            RETURNING job_id"
+            RETURNING job_id",
+            $history!(observed)
         )
     };
 }
 
-pub(crate) const COMPLETE: &str = complete_statement!(new_state_version!());
-pub(crate) const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("");
+// With the attempt's queue, wait and run time (`jobs::histograms`) where the schema has them.
+pub(crate) const COMPLETE: &str = complete_statement!(new_state_version!(), attempt_history);
+pub(crate) const COMPLETE_WITHOUT_HISTORY: &str = complete_statement!(new_state_version!(), no_attempt_history);
+pub(crate) const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("", no_attempt_history);
 
 // $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code; with
 // the status columns, $8: the SQLSTATE of the handler error (NULL from external workers).
@@ -256,14 +259,18 @@ macro_rules! fail_status_columns {
     };
 }
 
-// With the failed attempt recorded: $9 its error message.
+// With the failed attempt recorded ($9 its error message), and its queue, wait and run time
+// (`jobs::histograms`): the wait from the run_after it had, which a retry moves.
 pub(crate) const FAIL: &str = concat!(
-    "WITH failed AS (",
+    "WITH previous AS (SELECT run_after FROM durable_jobs.durable_job WHERE job_id = $1),
+    failed AS (",
     fail_statement!(fail_status_columns!(), attempt_history!(failed_returning)),
     ")",
     attempt_history!(failed),
     "
-    SELECT job_state FROM failed"
+    SELECT f.job_state",
+    attempt_history!(failed_observed),
+    " FROM failed f LEFT JOIN previous ON true"
 );
 pub(crate) const FAIL_WITHOUT_HISTORY: &str = fail_statement!(fail_status_columns!(), "");
 pub(crate) const FAIL_ON_OLD_SCHEMA: &str = fail_statement!("", "");
@@ -386,7 +393,8 @@ macro_rules! complete_batch_statement {
             release_lease!(),
             "
             FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
-            RETURNING j.job_id, j.state_version"
+            RETURNING j.job_id",
+            attempt_history!(observed)
         )
     };
 }

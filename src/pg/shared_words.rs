@@ -1,5 +1,5 @@
 //! Values that shared memory keeps in atomic words, so that a reader never sees half of one:
-//! a lease token in two words, a role's name in `ROLE_WORDS`.
+//! a lease token in two words, a name (a role's in `ROLE_WORDS`, a queue's) in a fixed number.
 
 use pgrx::pg_sys;
 use pgrx::Uuid;
@@ -23,24 +23,24 @@ pub(crate) fn load_token(words: &[AtomicU64; 2]) -> Uuid {
     Uuid::from_bytes(bytes)
 }
 
-/// A role's name in shared memory (relaxed, as `store_token`).
-pub(crate) fn store_role(words: &[AtomicU64; ROLE_WORDS], role: &str) {
-    for (word, value) in words.iter().zip(role_words(role)) {
+/// A name in shared memory, cut to its words' bytes (relaxed, as `store_token`).
+pub(crate) fn store_name<const N: usize>(words: &[AtomicU64; N], name: &str) {
+    for (word, value) in words.iter().zip(name_words::<N>(name)) {
         word.store(value, Ordering::Relaxed);
     }
 }
 
-/// The role's name `store_role` stored.
-pub(crate) fn load_role(words: &[AtomicU64; ROLE_WORDS]) -> String {
+/// The name `store_name` stored.
+pub(crate) fn load_name<const N: usize>(words: &[AtomicU64; N]) -> String {
     let bytes: Vec<u8> = words.iter().flat_map(|word| word.load(Ordering::Relaxed).to_le_bytes()).collect();
     let length = bytes.iter().position(|byte| *byte == 0).unwrap_or(bytes.len());
     String::from_utf8_lossy(&bytes[..length]).into_owned()
 }
 
-fn role_words(role: &str) -> [u64; ROLE_WORDS] {
-    let mut bytes = [0u8; ROLE_WORDS * 8];
-    let name = role.as_bytes();
-    let length = name.len().min(ROLE_WORDS * 8);
+fn name_words<const N: usize>(name: &str) -> [u64; N] {
+    let mut bytes = vec![0u8; N * 8];
+    let name = name.as_bytes();
+    let length = name.len().min(N * 8);
     bytes[..length].copy_from_slice(&name[..length]);
     std::array::from_fn(|word| u64::from_le_bytes(bytes[word * 8..word * 8 + 8].try_into().expect("8 bytes")))
 }

@@ -294,18 +294,27 @@ fn complete_succeeded(
     {
         fail_batch_for_a_lost_lease();
     }
-    for job in not_among(&leases, &completed) {
+    let ids: Vec<i64> = completed.iter().map(|(id, _)| *id).collect();
+    for job in not_among(&leases, &ids) {
         if !waits.arm() {
             fail_batch_for_a_lost_lease();
         }
+        let mut alone = Vec::new();
         if !matches!(
-            in_subtransaction(|| lease::complete_jobs(&[job], worker_id, false).len() == 1),
+            in_subtransaction(|| {
+                alone = lease::complete_jobs(&[job], worker_id, false);
+                alone.len() == 1
+            }),
             Ok(true)
         ) {
             fail_batch_for_a_lost_lease();
         }
+        completed.extend(alone);
     }
-    leases.iter().for_each(|_| tally.count(Counter::Succeeded));
+    for (_, observed) in completed {
+        tally.count(Counter::Succeeded);
+        tally.observe(observed);
+    }
 }
 
 /// Why a job fails: its code, and the SQLSTATE and message of the handler's error, if it ran
@@ -371,6 +380,8 @@ fn run_job(
     // Set while the worker completes the job after its handler returned: a wait of the
     // completion's given up there is the worker's, never the handler's.
     let completing = std::cell::Cell::new(false);
+    // The attempt a `PerJob` completion returned, for the histograms.
+    let observation = std::cell::RefCell::new(None);
     let outcome = in_subtransaction(|| {
         fire_constraints_immediately();
         as_enqueuer(handler.role, timeout_ms, || call_handler(handler, job.payload));
@@ -379,15 +390,19 @@ fn run_job(
             Completion::PerJob => {
                 let _ = RowWaits::new(job.lease_expires_unix_us, margin_ms).arm();
                 completing.set(true);
-                let completed = lease::complete_job(job_id, worker_id, lease_token) == "succeeded";
+                let (outcome, observed) = lease::complete_job(job_id, worker_id, lease_token);
                 completing.set(false);
-                completed
+                *observation.borrow_mut() = observed;
+                outcome == "succeeded"
             }
         }
     });
     match outcome {
         Ok(true) if completion == Completion::Batched => return Outcome::Pending,
-        Ok(true) => tally.count(Counter::Succeeded),
+        Ok(true) => {
+            tally.count(Counter::Succeeded);
+            tally.observe(observation.take());
+        }
         Ok(false) => tally.count(Counter::Stale),
         Err(error) if completing.get() && gave_up_waiting(&error) => {
             // The fenced completion gave up, not the handler: another session held the job's row
@@ -433,9 +448,10 @@ fn run_job(
 pub fn record_failure((job_id, lease_token): (i64, Uuid), worker_id: &str, failure: Failure, tally: &mut Tally) {
     let outcome = in_subtransaction(|| {
         let Failure { code, sqlstate, message } = &failure;
-        let outcome =
+        let (outcome, observed) =
             lease::fail_job(job_id, worker_id, lease_token, *code, sqlstate.as_deref(), message.as_deref());
         tally.count(Counter::for_outcome(outcome));
+        tally.observe(observed);
         true
     });
     if let Err(error) = outcome {

@@ -23,7 +23,7 @@
 
 use crate::pg::latch::{my_procno_plus_one, past_cancels, set_latch_of, sleep_on_latch};
 use crate::pg::settings::WORKER_COUNT_LIMIT;
-use crate::pg::shared_words::{load_role, load_token, store_role, store_token, ROLE_WORDS};
+use crate::pg::shared_words::{load_name, load_token, store_name, store_token, ROLE_WORDS};
 use pgrx::bgworkers::{
     BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
 };
@@ -205,7 +205,7 @@ pub fn run_in_runner(
         handoff.job_ids[index].store(*job_id, Ordering::Relaxed);
         store_token(&handoff.tokens[index], *token);
     }
-    store_role(&handoff.role, role);
+    store_name(&handoff.role, role);
     handoff.lease_seconds.store(lease_seconds, Ordering::Relaxed);
     handoff.batch_len.store(batch.len().min(HANDOFF_JOBS), Ordering::Relaxed);
     handoff.total_len.store(leases.len(), Ordering::Relaxed);
@@ -422,7 +422,7 @@ fn read_handover(number: i32, handoff: &Handoff) -> Handover {
     let (batch, later) = leases.split_at(batch_len);
     Handover {
         worker_number: number,
-        role: load_role(&handoff.role),
+        role: load_name(&handoff.role),
         batch: batch.to_vec(),
         later: later.to_vec(),
         lease_seconds: handoff.lease_seconds.load(Ordering::Relaxed),
