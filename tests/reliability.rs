@@ -334,15 +334,23 @@ fn kill_a_worker(cluster: &Cluster) {
     cluster.kill_worker_and_await_restart(pids[pids.len() / 2], &pids);
 }
 
-/// Counters agree with the rows: the background workers' successes are their effects. (Counting
+/// Counters agree with the rows: the background workers' successes are their effects, the SQL
+/// API's (`sql_api_succeeded`, counted since 0.6.0, when `succeeded` counted the background
+/// workers' only and was compared with their effects alone) the external workers'. (Counting
 /// each success before its batch commits, broken on purpose, went unnoticed in these scenarios:
 /// no fault here rolls a batch back after a success, as cancels land inside a job's
 /// subtransaction and the worker obeys a terminate between batches.)
 fn assert_counters_match_rows(client: &mut Client, scenario: &str) {
+    let by_sql_api = harness::metric(client, "sql_api_succeeded");
     assert_eq!(
-        harness::metric(client, "succeeded"),
+        harness::metric(client, "succeeded") - by_sql_api,
         count(client, "SELECT count(*) FROM public.effects WHERE applied_by = 'worker'"),
         "{scenario}: the succeeded counter against the workers' effects"
+    );
+    assert_eq!(
+        by_sql_api,
+        count(client, "SELECT count(*) FROM public.effects WHERE applied_by = 'external'"),
+        "{scenario}: the sql_api_succeeded counter against the external workers' effects"
     );
 }
 
