@@ -99,8 +99,12 @@ fn a_failing_handlers_message_is_read_by_its_enqueuer_and_by_no_other_role() {
     assert_eq!(attempts(&mut cluster.connect_as("app_member"), job_id), expected);
     let mut stranger = cluster.connect_as("app_stranger");
     assert_eq!(attempts(&mut stranger, job_id), vec![], "another role sees no attempt");
-    assert_eq!(count(&mut stranger, &format!("SELECT count(*) FROM durable_jobs.get_durable_job({job_id})")), 0);
-    let direct = stranger.query("SELECT error_message FROM durable_jobs.durable_job_attempt", &[]).unwrap_err();
+    assert_eq!(
+        count(&mut stranger, &format!("SELECT count(*) FROM durable_jobs.get_durable_job({job_id})")),
+        0
+    );
+    let direct =
+        stranger.query("SELECT error_message FROM durable_jobs.durable_job_attempt", &[]).unwrap_err();
     assert_eq!(sqlstate(&direct), "42501");
     let direct = cluster
         .connect_as("app_producer")
@@ -118,7 +122,10 @@ fn with_keep_error_messages_off_attempts_keep_codes_only() {
     let job_id = a_producer_whose_handler_fails(&cluster);
     let kept = attempts(&mut cluster.connect_as("app_producer"), job_id);
     assert_eq!(kept.len(), 1);
-    assert_eq!((kept[0].3.as_deref(), kept[0].4.as_deref(), kept[0].5.as_deref()), (Some("integrity_violation"), Some("23514"), None));
+    assert_eq!(
+        (kept[0].3.as_deref(), kept[0].4.as_deref(), kept[0].5.as_deref()),
+        (Some("integrity_violation"), Some("23514"), None)
+    );
 
     let mut client = cluster.connect();
     let external: i64 = client
@@ -126,7 +133,10 @@ fn with_keep_error_messages_off_attempts_keep_codes_only() {
         .unwrap()
         .get(0);
     let job = harness::claim_from(&mut client, "worker-1", "ext", 60).expect("the job");
-    assert_eq!(fail_with_message(&mut client, &job, "worker-1", "target_rejected", "550 no such user"), "failed");
+    assert_eq!(
+        fail_with_message(&mut client, &job, "worker-1", "target_rejected", "550 no such user"),
+        "failed"
+    );
     let kept = attempts(&mut client, external);
     assert_eq!((kept[0].3.as_deref(), kept[0].5.as_deref()), (Some("target_rejected"), None));
 
@@ -178,10 +188,15 @@ fn an_external_workers_attempts_are_kept_with_their_messages() {
             (3, Some("worker-3"), "succeeded", None),
         ]
     );
-    assert_eq!(history[0].5.as_deref(), Some("x".repeat(2000).as_str()), "the message, cut to 2000 characters");
+    assert_eq!(
+        history[0].5.as_deref(),
+        Some("x".repeat(2000).as_str()),
+        "the message, cut to 2000 characters"
+    );
     assert!(history.iter().all(|a| a.6 == Some(true)), "each attempt ended after it started: {history:?}");
 
-    let cancelled: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('mail', '{}')", &[]).unwrap().get(0);
+    let cancelled: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('mail', '{}')", &[]).unwrap().get(0);
     let running = claim(&mut client, "worker-1", 60).expect("the second job");
     assert_eq!(running.job_id, cancelled);
     client.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&cancelled]).unwrap();
@@ -205,7 +220,10 @@ fn reasons(client: &mut Client, job_id: i64) -> Vec<String> {
 
 fn detail(client: &mut Client, job_id: i64, reason: &str) -> String {
     client
-        .query_one("SELECT detail FROM durable_jobs.diagnose_durable_job($1) WHERE reason = $2", &[&job_id, &reason])
+        .query_one(
+            "SELECT detail FROM durable_jobs.diagnose_durable_job($1) WHERE reason = $2",
+            &[&job_id, &reason],
+        )
         .unwrap()
         .get(0)
 }
@@ -256,32 +274,47 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     let members_job = enqueue_as(&mut member, "SELECT durable_jobs.enqueue_durable_job('group_work', '{}')");
     let mut producer = cluster.connect_as("app_producer");
     let locked = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('locked', '{}')");
-    let paused = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('open', '{}', queue_name => 'paused')");
+    let paused = enqueue_as(
+        &mut producer,
+        "SELECT durable_jobs.enqueue_durable_job('open', '{}', queue_name => 'paused')",
+    );
     let later = enqueue_as(
         &mut producer,
         "SELECT durable_jobs.enqueue_durable_job('external', '{}', run_after => now() + interval '1 hour')",
     );
     let ready = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}')");
     let narrow: Vec<i64> = (0..2)
-        .map(|_| enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'narrow')"))
+        .map(|_| {
+            enqueue_as(
+                &mut producer,
+                "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'narrow')",
+            )
+        })
         .collect();
     let running = harness::claim_from(&mut admin, "worker-1", "narrow", 600).expect("a job of queue narrow");
     assert_eq!(running.job_id, narrow[0]);
-    let done = enqueue_as(&mut admin, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'done')");
+    let done = enqueue_as(
+        &mut admin,
+        "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'done')",
+    );
     let finished = harness::claim_from(&mut admin, "worker-1", "done", 60).expect("the job of queue done");
     assert_eq!(complete(&mut admin, &finished, "worker-1"), "succeeded");
 
     assert_eq!(reasons(&mut member, members_job), ["handler_does_not_serve_enqueuer", "ready"]);
-    assert!(detail(&mut member, members_job, "handler_does_not_serve_enqueuer").contains("registered by app_group"));
+    assert!(detail(&mut member, members_job, "handler_does_not_serve_enqueuer")
+        .contains("registered by app_group"));
     assert_eq!(reasons(&mut producer, locked), ["handler_not_executable", "worker_off", "ready"]);
-    assert!(detail(&mut producer, locked, "handler_not_executable").contains("app_producer may not run the handler public.locked(jsonb)"));
+    assert!(detail(&mut producer, locked, "handler_not_executable")
+        .contains("app_producer may not run the handler public.locked(jsonb)"));
     assert!(detail(&mut producer, locked, "worker_off").contains("durable_jobs.worker_enabled is off"));
     assert_eq!(reasons(&mut producer, paused), ["queue_paused", "worker_off"]);
     assert!(detail(&mut producer, paused, "queue_paused").contains("queue paused is paused"));
     assert_eq!(reasons(&mut producer, later), ["scheduled_later", "no_handler"]);
     assert_eq!(reasons(&mut producer, ready), ["no_handler", "ready"]);
     assert_eq!(reasons(&mut producer, narrow[1]), ["queue_at_concurrency_limit", "no_handler"]);
-    assert!(detail(&mut producer, narrow[1], "queue_at_concurrency_limit").contains("queue narrow runs 1 jobs"));
+    assert!(
+        detail(&mut producer, narrow[1], "queue_at_concurrency_limit").contains("queue narrow runs 1 jobs")
+    );
     assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
     assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));
     assert_eq!(reasons(&mut admin, done), ["finished"]);
@@ -307,7 +340,8 @@ fn a_job_the_running_worker_will_take_gives_no_worker_off() {
         )
         .unwrap();
     wait_until(Duration::from_secs(30), "a background worker to run", || {
-        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'") > 0
+        count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'")
+            > 0
     });
     let later = enqueue_as(
         &mut client,
@@ -413,7 +447,8 @@ fn queue_histograms_keep_to_a_hundred_queues() {
         assert_eq!(complete(&mut client, &job, "w"), "succeeded");
     }
     let text = prometheus(&mut client);
-    let counts: Vec<&str> = text.lines().filter(|l| l.starts_with("durable_jobs_job_run_seconds_count{")).collect();
+    let counts: Vec<&str> =
+        text.lines().filter(|l| l.starts_with("durable_jobs_job_run_seconds_count{")).collect();
     assert_eq!(counts.len(), 101, "{counts:?}");
     assert!(counts.contains(&"durable_jobs_job_run_seconds_count{queue=\"\"} 5"), "{counts:?}");
 }

@@ -113,7 +113,9 @@ fn why_no_worker_runs(database: &str) -> Option<String> {
         ));
     }
     if wakeup::awake_workers() == 0 {
-        return Some("no background worker is running now (one is starting, or restarting after an error)".into());
+        return Some(
+            "no background worker is running now (one is starting, or restarting after an error)".into(),
+        );
     }
     None
 }
@@ -162,7 +164,10 @@ fn diagnose(job: &Job) -> Vec<Reason> {
             let owner = job.lease_owner.as_deref().unwrap_or_default();
             let until = job.lease_expires_at.as_deref().unwrap_or_default();
             let detail = if job.lease_live == Some(true) {
-                format!("attempt {} of {} runs on worker {owner}, its lease until {until}", job.attempts, job.max_attempts)
+                format!(
+                    "attempt {} of {} runs on worker {owner}, its lease until {until}",
+                    job.attempts, job.max_attempts
+                )
             } else if job.attempts < job.max_attempts {
                 format!(
                     "attempt {} lost its lease (worker {owner}) at {until}: the next claim takes the job again",
@@ -180,7 +185,11 @@ fn diagnose(job: &Job) -> Vec<Reason> {
         _ => {}
     }
     if job.due_later {
-        let retry = if job.attempts > 0 { format!(", a retry after attempt {}", job.attempts) } else { String::new() };
+        let retry = if job.attempts > 0 {
+            format!(", a retry after attempt {}", job.attempts)
+        } else {
+            String::new()
+        };
         reasons.push(("scheduled_later", format!("the job is due at {}{retry}", job.run_after)));
     }
     if job.paused {
@@ -194,11 +203,16 @@ fn diagnose(job: &Job) -> Vec<Reason> {
             ),
         ));
     }
-    let full = matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
+    let full =
+        matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
     if full {
         reasons.push((
             "queue_at_concurrency_limit",
-            format!("queue {} runs {} jobs, its concurrency limit", job.queue, job.running.unwrap_or_default()),
+            format!(
+                "queue {} runs {} jobs, its concurrency limit",
+                job.queue,
+                job.running.unwrap_or_default()
+            ),
         ));
     }
     match (&job.handler, &job.registered_by) {
@@ -214,7 +228,10 @@ fn diagnose(job: &Job) -> Vec<Reason> {
     if !job.due_later && !job.paused && !full {
         reasons.push((
             "ready",
-            format!("nothing in queue {} holds the job back: the next claim of its queue and kind takes it", job.queue),
+            format!(
+                "nothing in queue {} holds the job back: the next claim of its queue and kind takes it",
+                job.queue
+            ),
         ));
     }
     reasons

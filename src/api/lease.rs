@@ -5,7 +5,9 @@ use crate::jobs::arguments;
 use crate::jobs::counters::{self, Counter};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::lease::{claim_jobs, complete_job, fail_job, first_value_of, state_and_permission};
-use crate::jobs::statements::{CANCEL, CANCEL_ON_OLD_SCHEMA, CANCEL_WITHOUT_HISTORY, EXTEND, LOCK_FOR_CANCEL};
+use crate::jobs::statements::{
+    CANCEL, CANCEL_ON_OLD_SCHEMA, CANCEL_WITHOUT_HISTORY, EXTEND, LOCK_FOR_CANCEL,
+};
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner, as_extension_owner_of, caller};

@@ -61,7 +61,9 @@ impl Counter {
             Counter::SqlApiSucceeded => "Of succeeded: the completions of complete_durable_job.",
             Counter::SqlApiRetried => "Of retried: the failures of fail_durable_job that retried their job.",
             Counter::SqlApiFailed => "Of failed: the failures of fail_durable_job that ended their job.",
-            Counter::SqlApiStale => "Of stale: the calls of complete_durable_job and fail_durable_job told stale.",
+            Counter::SqlApiStale => {
+                "Of stale: the calls of complete_durable_job and fail_durable_job told stale."
+            }
         }
     }
 

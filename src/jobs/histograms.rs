@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 pub const QUEUE_SLOTS: usize = 100;
 
 /// Upper bounds of the buckets, in seconds; a last bucket takes the rest (`+Inf`).
-pub const BUCKET_BOUNDS: [f64; 15] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
+pub const BUCKET_BOUNDS: [f64; 15] =
+    [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
 const BUCKETS: usize = BUCKET_BOUNDS.len() + 1;
 
 /// Words of a queue's name: the longest a queue name may be (`arguments::NAME_MAX_LEN`).
@@ -123,16 +124,18 @@ fn slot_of(queue: &str) -> usize {
         return slot;
     }
     let slots = &HISTOGRAMS.get().0[..QUEUE_SLOTS];
-    let named = |slot: &QueueSlot| slot.state.load(Ordering::Acquire) == READY && load_name(&slot.name) == queue;
+    let named =
+        |slot: &QueueSlot| slot.state.load(Ordering::Acquire) == READY && load_name(&slot.name) == queue;
     let found = slots.iter().position(named).or_else(|| {
         (queue.len() <= NAME_WORDS * 8)
             .then(|| {
                 slots.iter().position(|slot| {
-                    slot.state.compare_exchange(EMPTY, CLAIMING, Ordering::Acquire, Ordering::Relaxed).is_ok() && {
-                        store_name(&slot.name, queue);
-                        slot.state.store(READY, Ordering::Release);
-                        true
-                    }
+                    slot.state.compare_exchange(EMPTY, CLAIMING, Ordering::Acquire, Ordering::Relaxed).is_ok()
+                        && {
+                            store_name(&slot.name, queue);
+                            slot.state.store(READY, Ordering::Release);
+                            true
+                        }
                 })
             })
             .flatten()

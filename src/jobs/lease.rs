@@ -11,10 +11,9 @@ use crate::jobs::failure::FailureCode;
 use crate::jobs::histograms::Observation;
 use crate::jobs::statements::{
     CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
-    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA,
-    FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED,
-    RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD,
-    STATE_AND_PERMISSION,
+    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL,
+    FAIL_ON_OLD_SCHEMA, FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED, RENEW_AFTER_ROLLBACK,
+    RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD, STATE_AND_PERMISSION,
 };
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
@@ -206,7 +205,10 @@ fn observation(row: &pgrx::spi::SpiHeapTupleData, first: usize) -> Option<Observ
 
 /// Runs a fenced transition that returns one row, `(outcome, queue, wait, run)` where the
 /// schema has the attempt history, else `(outcome)`.
-fn fenced<T: FromDatum + IntoDatum>(statement: &str, args: &[DatumWithOid]) -> Option<(T, Option<Observation>)> {
+fn fenced<T: FromDatum + IntoDatum>(
+    statement: &str,
+    args: &[DatumWithOid],
+) -> Option<(T, Option<Observation>)> {
     Spi::connect_mut(|client| {
         let rows = plans::execute(client, statement, args);
         let row = rows.into_iter().next()?;
@@ -334,7 +336,11 @@ pub fn renew_leases_after_rollback(
 /// Marks `jobs` succeeded, fenced on each lease as `complete_job` is; returns the ids of those
 /// that were, with their attempts. `skip_held`: rows another session holds are left out instead
 /// of waited for. The background worker's only (a schema of its version).
-pub fn complete_jobs(jobs: &[(i64, Uuid)], worker_id: &str, skip_held: bool) -> Vec<(i64, Option<Observation>)> {
+pub fn complete_jobs(
+    jobs: &[(i64, Uuid)],
+    worker_id: &str,
+    skip_held: bool,
+) -> Vec<(i64, Option<Observation>)> {
     let statement = if skip_held { COMPLETE_BATCH_SKIPPING_HELD } else { COMPLETE_BATCH };
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = jobs.iter().copied().unzip();
     let args: [DatumWithOid; 3] = [ids.into(), tokens.into(), worker_id.into()];

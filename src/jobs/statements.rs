@@ -220,7 +220,8 @@ macro_rules! complete_statement {
 
 // With the attempt's queue, wait and run time (`jobs::histograms`) where the schema has them.
 pub(crate) const COMPLETE: &str = complete_statement!(new_state_version!(), attempt_history);
-pub(crate) const COMPLETE_WITHOUT_HISTORY: &str = complete_statement!(new_state_version!(), no_attempt_history);
+pub(crate) const COMPLETE_WITHOUT_HISTORY: &str =
+    complete_statement!(new_state_version!(), no_attempt_history);
 pub(crate) const COMPLETE_ON_OLD_SCHEMA: &str = complete_statement!("", no_attempt_history);
 
 // $4: the code is retryable; $5: base delay (ms); $6: maximum delay (s); $7: the code; with

@@ -445,7 +445,12 @@ fn run_job(
 /// was one, in a subtransaction of its own: an error there (a deadlock with a concurrent cancel,
 /// a lock timeout) is logged and leaves the job to its lease, which another claim takes over
 /// once it expires. The caller has the worker's settings in force.
-pub fn record_failure((job_id, lease_token): (i64, Uuid), worker_id: &str, failure: Failure, tally: &mut Tally) {
+pub fn record_failure(
+    (job_id, lease_token): (i64, Uuid),
+    worker_id: &str,
+    failure: Failure,
+    tally: &mut Tally,
+) {
     let outcome = in_subtransaction(|| {
         let Failure { code, sqlstate, message } = &failure;
         let (outcome, observed) =
