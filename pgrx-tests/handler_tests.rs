@@ -393,7 +393,8 @@ fn metrics_have_a_fixed_set_of_names() {
     assert_eq!(
         names,
         [
-            "idle_polls", "claimed", "succeeded", "retried", "failed", "stale", "jobs_available",
+            "idle_polls", "claimed", "succeeded", "retried", "failed", "stale", "sql_api_claimed",
+            "sql_api_succeeded", "sql_api_retried", "sql_api_failed", "sql_api_stale", "jobs_available",
             "jobs_running", "jobs_succeeded", "jobs_failed", "jobs_cancelled"
         ]
     );
@@ -441,7 +442,10 @@ fn metrics_count_every_state_in_one_pass_over_the_job_table() {
 fn prometheus_exposition_has_fixed_names_and_types() {
     enqueue("k", r#"{"secret": "not in metrics"}"#);
     let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
-    let expected_counters = ["idle_polls", "claimed", "succeeded", "retried", "failed", "stale"];
+    let expected_counters = [
+        "idle_polls", "claimed", "succeeded", "retried", "failed", "stale", "sql_api_claimed",
+        "sql_api_succeeded", "sql_api_retried", "sql_api_failed", "sql_api_stale",
+    ];
     for counter in expected_counters {
         let name = format!("durable_jobs_{counter}_total");
         assert!(text.contains(&format!("# TYPE {name} counter\n")), "{text}");
@@ -453,10 +457,12 @@ fn prometheus_exposition_has_fixed_names_and_types() {
     assert!(!text.contains("secret"));
     // Every sample line names a durable_jobs_ metric; every metric has HELP and TYPE.
     let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
-    // Eleven, three per-queue gauges for the one queue, and the count of queues left out.
-    assert_eq!(samples.len(), 15, "{text}");
+    // Sixteen, three per-queue gauges for the one queue, and the count of queues left out; no
+    // histogram sample, since no attempt ended.
+    assert_eq!(samples.len(), 20, "{text}");
     assert!(samples.iter().all(|l| l.starts_with("durable_jobs_")));
-    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 11);
+    // Eleven counters, the state gauge, three queue gauges, the queues left out, two histograms.
+    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 18);
 }
 
 /// A queue's series goes once it has no pending job and no control: a queue paused and resumed

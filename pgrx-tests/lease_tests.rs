@@ -492,7 +492,14 @@ fn statements_on_given_leases_find_their_jobs_by_primary_key() {
             crate::jobs::statements::FAIL,
             with(
                 one(),
-                vec![true.into(), 1000i32.into(), 3600i32.into(), "target_rejected".into(), "P0001".into()],
+                vec![
+                    true.into(),
+                    1000i32.into(),
+                    3600i32.into(),
+                    "target_rejected".into(),
+                    "P0001".into(),
+                    "the error's message".into(),
+                ],
             ),
         ),
         ("extend", crate::jobs::statements::EXTEND, with(one(), vec![60.0f64.into()])),
