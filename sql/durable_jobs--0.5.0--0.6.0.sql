@@ -147,6 +147,24 @@ COMMENT ON TABLE durable_jobs.durable_job_attempt IS
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');
 REVOKE ALL ON durable_jobs.durable_job_attempt FROM PUBLIC;
 
+-- A TRUNCATE of the job table takes the attempts with it: with RESTART IDENTITY, new jobs would
+-- take the old ids, and the old jobs' attempts (and their error texts) with them.
+CREATE FUNCTION durable_jobs.truncate_durable_job_attempts() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+BEGIN
+    TRUNCATE durable_jobs.durable_job_attempt;
+    RETURN NULL;
+END
+$body$;
+
+CREATE TRIGGER durable_job_truncate_attempts
+    AFTER TRUNCATE ON durable_jobs.durable_job
+    FOR EACH STATEMENT
+    EXECUTE FUNCTION durable_jobs.truncate_durable_job_attempts();
+REVOKE ALL ON FUNCTION durable_jobs.truncate_durable_job_attempts() FROM PUBLIC;
+
 CREATE FUNCTION durable_jobs.get_durable_job_attempts(job_id pg_catalog.int8)
     RETURNS TABLE (
         attempt pg_catalog.int4,
@@ -185,6 +203,8 @@ BEGIN
                               extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8) OWNER TO %s',
                               extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.truncate_durable_job_attempts() OWNER TO %s',
+                              extension_owner);
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
     FROM pg_catalog.pg_class c
     WHERE c.oid = 'durable_jobs.durable_job_attempt'::pg_catalog.regclass
@@ -192,7 +212,8 @@ BEGIN
     UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
     FROM pg_catalog.pg_proc p
     WHERE p.oid IN ('durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure,
-                    'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure)
+                    'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.truncate_durable_job_attempts()'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;

@@ -88,6 +88,8 @@ $remake$;
 
 DROP FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8);
 DROP FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8);
+DROP TRIGGER durable_job_truncate_attempts ON durable_jobs.durable_job;
+DROP FUNCTION durable_jobs.truncate_durable_job_attempts();
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_attempt;
 DROP TABLE durable_jobs.durable_job_attempt;
 ALTER TABLE durable_jobs.durable_job DROP COLUMN attempt_started_at, DROP COLUMN attempt_worker_id;

@@ -92,3 +92,20 @@ COMMENT ON TABLE durable_jobs.durable_job_attempt IS
     'Attempts of durable_jobs jobs that failed, lost their lease or were cancelled. Read through get_durable_job_attempts.';
 
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');
+
+-- A TRUNCATE of the job table takes the attempts with it: with RESTART IDENTITY, new jobs would
+-- take the old ids, and the old jobs' attempts (and their error texts) with them.
+CREATE FUNCTION durable_jobs.truncate_durable_job_attempts() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+BEGIN
+    TRUNCATE durable_jobs.durable_job_attempt;
+    RETURN NULL;
+END
+$body$;
+
+CREATE TRIGGER durable_job_truncate_attempts
+    AFTER TRUNCATE ON durable_jobs.durable_job
+    FOR EACH STATEMENT
+    EXECUTE FUNCTION durable_jobs.truncate_durable_job_attempts();

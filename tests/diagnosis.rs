@@ -452,3 +452,44 @@ fn queue_histograms_keep_to_a_hundred_queues() {
     assert_eq!(counts.len(), 101, "{counts:?}");
     assert!(counts.contains(&"durable_jobs_job_run_seconds_count{queue=\"\"} 5"), "{counts:?}");
 }
+
+/// A TRUNCATE of the job table takes the attempts with it: a new job that takes an old id after
+/// RESTART IDENTITY shows none of the old job's attempts. An attempt row left behind another way
+/// (jobs deleted by hand, their ids given out again) is written over: it never fails the claim
+/// that takes a lapsed lease over. (Failed before: the claim raised 23505 on the attempt's
+/// primary key, found by the isolation specs, whose teardown truncates the job table.)
+#[test]
+fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    let old: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    let job = claim(&mut client, "w0", 60).unwrap();
+    assert_eq!(fail_with_message(&mut client, &job, "w0", "invalid_request", "the old job's secret"), "failed");
+    client.batch_execute("TRUNCATE durable_jobs.durable_job RESTART IDENTITY").unwrap();
+    let new: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    assert_eq!(new, old, "the id came again");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
+
+    let first = claim(&mut client, "w1", 1).unwrap();
+    assert_eq!(first.job_id, new);
+    client
+        .execute(
+            "INSERT INTO durable_jobs.durable_job_attempt (job_id, attempt, worker_id, ended_at, outcome, error_message)
+             VALUES ($1, 1, 'ghost', now(), 'failed', 'left behind')",
+            &[&new],
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the lease to lapse", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE lease_expires_at <= clock_timestamp()") == 1
+    });
+    let second = claim(&mut client, "w2", 60).expect("the claim takes the lapsed lease over");
+    assert_eq!(second.attempt_count, 2);
+    let history: Vec<(i32, Option<String>, String, Option<String>)> = attempts(&mut client, new)
+        .into_iter()
+        .map(|a| (a.0, a.1, a.2, a.5))
+        .collect();
+    assert_eq!(
+        history,
+        [(1, Some("w1".to_owned()), "lease_expired".to_owned(), None), (2, Some("w2".to_owned()), "running".to_owned(), None)]
+    );
+}

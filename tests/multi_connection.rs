@@ -259,7 +259,7 @@ fn documented_roles_can_do_exactly_their_part() {
              GRANT EXECUTE ON FUNCTION
                  durable_jobs.claim_next_durable_job(text, text[], integer, text[]),
                  durable_jobs.complete_durable_job(bigint, text, uuid),
-                 durable_jobs.fail_durable_job(bigint, text, uuid, text),
+                 durable_jobs.fail_durable_job(bigint, text, uuid, text, text),
                  durable_jobs.extend_durable_job_lease(bigint, text, uuid, integer)
                TO app_worker;",
         )

@@ -27,25 +27,33 @@ macro_rules! attempt_history {
     };
     // After the claim: the attempts whose lapsed leases it took over ended then.
     (reclaimed) => {
-        ",
+        concat!(
+            ",
                 reclaimed AS (
                     INSERT INTO durable_jobs.durable_job_attempt
                         (job_id, attempt, worker_id, started_at, ended_at, outcome)
                     SELECT c.job_id, c.was_attempt, c.was_worker, c.was_started, c.was_expiry, 'lease_expired'
-                    FROM candidate c WHERE c.was_state = 'running')"
+                    FROM candidate c WHERE c.was_state = 'running'",
+            crate::over_an_older_attempt!(),
+            ")"
+        )
     };
     (expired_returning) => {
         ", x.attempt_count, x.attempt_worker_id, x.attempt_started_at"
     };
     // The last attempts whose leases lapsed: they ended when their leases did.
     (expired) => {
-        ",
+        concat!(
+            ",
                 expired_attempts AS (
                     INSERT INTO durable_jobs.durable_job_attempt
                         (job_id, attempt, worker_id, started_at, ended_at, outcome)
                     SELECT e.job_id, e.attempt_count, e.attempt_worker_id, e.attempt_started_at, e.was_expiry,
                            'lease_expired'
-                    FROM expired e)"
+                    FROM expired e",
+            crate::over_an_older_attempt!(),
+            ")"
+        )
     };
     (failed_returning) => {
         ", job_id, attempt_count, attempt_started_at, queue_name"
@@ -65,26 +73,48 @@ macro_rules! attempt_history {
     };
     // FAIL's attempt: $2 the worker, $7 the failure code, $8 the SQLSTATE, $9 the message.
     (failed) => {
-        ",
+        concat!(
+            ",
     failed_attempt AS (
         INSERT INTO durable_jobs.durable_job_attempt
             (job_id, attempt, worker_id, started_at, ended_at, outcome, failure_code, sqlstate, error_message)
         SELECT f.job_id, f.attempt_count, $2, f.attempt_started_at, pg_catalog.clock_timestamp(), 'failed',
                $7, $8, $9
-        FROM failed f)"
+        FROM failed f",
+            crate::over_an_older_attempt!(),
+            ")"
+        )
     };
     (cancelled_returning) => {
         ", attempt_count, attempt_worker_id, attempt_started_at"
     };
     // CANCEL's: the attempt of a job that was running ($3 the state before).
     (cancelled) => {
-        ",
+        concat!(
+            ",
     cancelled_attempt AS (
         INSERT INTO durable_jobs.durable_job_attempt
             (job_id, attempt, worker_id, started_at, ended_at, outcome)
         SELECT c.job_id, c.attempt_count, c.attempt_worker_id, c.attempt_started_at,
                pg_catalog.clock_timestamp(), 'cancelled'
-        FROM cancelled c WHERE $3 = 'running')"
+        FROM cancelled c WHERE $3 = 'running'",
+            crate::over_an_older_attempt!(),
+            ")"
+        )
+    };
+}
+
+/// An attempt row written over one of the same number: left by a job whose id came again (the
+/// job table truncated with RESTART IDENTITY by hand, the attempts kept), it must never fail
+/// the statement that ends an attempt, a claim above all.
+#[macro_export]
+macro_rules! over_an_older_attempt {
+    () => {
+        "
+            ON CONFLICT (job_id, attempt) DO UPDATE SET
+                worker_id = EXCLUDED.worker_id, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,
+                outcome = EXCLUDED.outcome, failure_code = EXCLUDED.failure_code, sqlstate = EXCLUDED.sqlstate,
+                error_message = EXCLUDED.error_message"
     };
 }
 
