@@ -3,7 +3,8 @@
 -- applies that rule from the moment it is loaded, whatever the schema's version); the view
 -- durable_job_handlers shows whom each registration serves; each job keeps the history of its
 -- attempts, with the error text of failed ones (get_durable_job_attempts, fail_durable_job's
--- error_message); diagnose_durable_job says why a job is where it is. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- error_message); diagnose_durable_job says why a job is where it is; enqueue_or_get_durable_job
+-- tells whether an enqueue created its job. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.6.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -181,6 +182,21 @@ CREATE FUNCTION durable_jobs.get_durable_job_attempts(job_id pg_catalog.int8)
     AS 'MODULE_PATHNAME', 'get_durable_job_attempts_wrapper';
 REVOKE ALL ON FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8) FROM PUBLIC;
 
+CREATE FUNCTION durable_jobs.enqueue_or_get_durable_job(
+    job_kind pg_catalog.text,
+    payload pg_catalog.jsonb,
+    idempotency_key pg_catalog.text DEFAULT NULL,
+    queue_name pg_catalog.text DEFAULT 'default',
+    run_after pg_catalog.timestamptz DEFAULT pg_catalog.now(),
+    max_attempts pg_catalog.int4 DEFAULT NULL,
+    priority pg_catalog.int4 DEFAULT 0)
+    RETURNS TABLE (job_id pg_catalog.int8, created pg_catalog.bool)
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'enqueue_or_get_durable_job_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) FROM PUBLIC;
+
 CREATE FUNCTION durable_jobs.diagnose_durable_job(job_id pg_catalog.int8)
     RETURNS TABLE (reason pg_catalog.text, detail pg_catalog.text)
     VOLATILE PARALLEL UNSAFE
@@ -203,6 +219,9 @@ BEGIN
                               extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8) OWNER TO %s',
                               extension_owner);
+    EXECUTE pg_catalog.format(
+        'ALTER FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
+        'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.truncate_durable_job_attempts() OWNER TO %s',
                               extension_owner);
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
@@ -213,6 +232,8 @@ BEGIN
     FROM pg_catalog.pg_proc p
     WHERE p.oid IN ('durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure,
                     'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
+                    'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)'::pg_catalog.regprocedure,
                     'durable_jobs.truncate_durable_job_attempts()'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END

@@ -1,9 +1,10 @@
--- durable_jobs 0.6.0 back to 0.5.0: diagnose_durable_job and the attempt history go (its table,
--- with the error texts it kept, and the job columns of the latest attempt), fail_durable_job
--- takes no error text, and durable_job_handlers loses the columns that say whom each
--- registration serves. The trust rule itself lives in the library: while the 0.6.0 library is
--- loaded it holds for a 0.5.0 schema too. Run by ALTER EXTENSION durable_jobs UPDATE TO
--- '0.5.0'; tests/upgrade.rs checks that the result equals a fresh 0.5.0 install.
+-- durable_jobs 0.6.0 back to 0.5.0: enqueue_or_get_durable_job, diagnose_durable_job and the
+-- attempt history go (its table, with the error texts it kept, and the job columns of the
+-- latest attempt), fail_durable_job takes no error text, and durable_job_handlers loses the
+-- columns that say whom each registration serves. The trust rule itself lives in the library:
+-- while the 0.6.0 library is loaded it holds for a 0.5.0 schema too. Run by ALTER EXTENSION
+-- durable_jobs UPDATE TO '0.5.0'; tests/upgrade.rs checks that the result equals a fresh 0.5.0
+-- install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
 
 -- A view cannot drop columns in place: it is made again, and given back its owner, the grants
@@ -87,6 +88,8 @@ END
 $remake$;
 
 DROP FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8);
+DROP FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text,
+    pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4);
 DROP FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8);
 DROP TRIGGER durable_job_truncate_attempts ON durable_jobs.durable_job;
 DROP FUNCTION durable_jobs.truncate_durable_job_attempts();

@@ -298,7 +298,11 @@ fn documented_roles_can_do_exactly_their_part() {
     denied(&mut producer, "SELECT * FROM durable_jobs.claim_next_durable_job('w')");
     denied(&mut producer, "SELECT * FROM durable_jobs.durable_job");
     denied(&mut producer, "UPDATE durable_jobs.durable_job SET priority = 5");
-    denied(&mut other, &format!("SELECT durable_jobs.cancel_durable_job({job_id})"));
+    // Another producer's cancel finds no job of its own: false, as for a missing job (42501
+    // before 0.6.0).
+    let cancelled: bool =
+        other.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+    assert!(!cancelled);
     // A worker cannot enqueue or cancel.
     denied(&mut worker, "SELECT durable_jobs.enqueue_durable_job('mail', '{}')");
     denied(&mut worker, &format!("SELECT durable_jobs.cancel_durable_job({job_id})"));
@@ -375,8 +379,9 @@ fn intake_switch_stops_enqueue_but_not_claims() {
         "SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 2}', 'key-1')",
         "SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"n\": 1}', '{\"n\": 3}']::jsonb[], ARRAY['key-1', 'key-3'])",
     ] {
+        // 57P03 since 0.6.0 (55000 before, which a gateway could not tell from a wrong state).
         let error = client.batch_execute(refused).expect_err("intake is off");
-        assert_eq!(sqlstate(&error), "55000", "{refused}");
+        assert_eq!(sqlstate(&error), "57P03", "{refused}");
     }
     // Producers retry enqueues after timeouts: the key's own job comes back, nothing is taken in.
     let again: i64 = client
@@ -394,6 +399,11 @@ fn intake_switch_stops_enqueue_but_not_claims() {
         .map(|row| row.get(0))
         .collect();
     assert_eq!(again, vec![keyed]);
+    let (again, created): (i64, bool) = client
+        .query_one("SELECT * FROM durable_jobs.enqueue_or_get_durable_job('k', '{\"n\": 1}', 'key-1')", &[])
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
+    assert_eq!((again, created), (keyed, false));
     assert_eq!(identity(&mut client), identity_before, "no identity value was drawn");
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job"), 2);
 

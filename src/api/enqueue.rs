@@ -1,5 +1,6 @@
-//! enqueue_durable_job and enqueue_durable_jobs: validated inserts, with idempotency keys that
-//! outlive the payload.
+//! enqueue_durable_job, enqueue_or_get_durable_job and enqueue_durable_jobs: validated inserts,
+//! with idempotency keys that outlive the payload. (A little over 400 lines: the three share the
+//! job template and its one idempotent insert.)
 
 use crate::jobs::arguments;
 use crate::jobs::direct_lease;
@@ -163,14 +164,15 @@ impl JobTemplate {
         }
     }
 
-    /// Inserts one job, or returns the job already holding `idempotency_key`.
+    /// Inserts one job, or returns the job already holding `idempotency_key`; with whether it
+    /// inserted it.
     fn insert_one(
         &self,
         client: &mut SpiClient,
         installed: Installed,
         payload: JsonbDatum,
         idempotency_key: Option<&str>,
-    ) -> i64 {
+    ) -> (i64, bool) {
         let args = [
             self.queue_name.as_str().into(),
             self.job_kind.as_str().into(),
@@ -187,7 +189,7 @@ impl JobTemplate {
         // another job's key is refused. Anything that would take a new job in needs intake on.
         let existing = idempotency_key.map(|key| self.find_by_key(client, FIND_OWN_BY_KEY, key, payload));
         if let Some((Some(job_id), Some(true))) = existing {
-            return job_id;
+            return (job_id, false);
         }
         require_intake_enabled();
         if let Some((Some(_), _)) = existing {
@@ -209,11 +211,11 @@ impl JobTemplate {
             match row {
                 Some((Some(job_id), Some(true))) => {
                     direct_lease::leased(job_id, &lease, &self.enqueued_by, leased_at, inserted);
-                    return job_id;
+                    return (job_id, true);
                 }
                 Some((Some(job_id), _)) => {
                     direct_lease::not_leased();
-                    return job_id;
+                    return (job_id, true);
                 }
                 _ => direct_lease::not_leased(),
             }
@@ -221,14 +223,14 @@ impl JobTemplate {
             let statement = if idempotency_key.is_some() { INSERT_JOB } else { INSERT_JOB_WITHOUT_KEY };
             let inserted = plans::execute(client, statement, &args);
             if !inserted.is_empty() {
-                return inserted.first().get_one::<i64>().expect("job_id").expect("job_id");
+                return (inserted.first().get_one::<i64>().expect("job_id").expect("job_id"), true);
             }
         }
         // A concurrent enqueue took the key meanwhile; ON CONFLICT waited for it, so its row is
         // visible now.
         let key = idempotency_key.expect("a conflict implies a key");
         match self.find_by_key(client, FIND_BY_KEY, key, payload) {
-            (Some(job_id), Some(true)) => job_id,
+            (Some(job_id), Some(true)) => (job_id, false),
             (Some(_), _) => key_used_by_another_job(),
             (None, _) => {
                 ereport!(
@@ -273,12 +275,13 @@ fn key_used_by_another_job() -> ! {
     );
 }
 
-/// 55000 while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
+/// 57P03 (cannot_connect_now: the server takes no new work now, as while it starts or stops)
+/// while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
 pub fn require_intake_enabled() {
     if !crate::pg::settings::INTAKE_ENABLED.get() {
         ereport!(
             ERROR,
-            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            PgSqlErrorCode::ERRCODE_CANNOT_CONNECT_NOW,
             "job intake is disabled (durable_jobs.intake_enabled = off)"
         );
     }
@@ -310,17 +313,38 @@ fn enqueue_durable_job(
     priority: default!(Option<i32>, "0"),
 ) -> i64 {
     let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    enqueue_one(template, payload, idempotency_key).0
+}
+
+/// enqueue_durable_job, telling whether the job was created or an idempotency key named one that
+/// already existed (what an HTTP gateway answers with 201 or 200).
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn enqueue_or_get_durable_job(
+    job_kind: Option<String>,
+    payload: Option<JsonbDatum>,
+    idempotency_key: default!(Option<String>, "NULL"),
+    queue_name: default!(Option<String>, "'default'"),
+    run_after: default!(Option<TimestampWithTimeZone>, "now()"),
+    max_attempts: default!(Option<i32>, "NULL"),
+    priority: default!(Option<i32>, "0"),
+) -> TableIterator<'static, (name!(job_id, i64), name!(created, bool))> {
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    TableIterator::once(enqueue_one(template, payload, idempotency_key))
+}
+
+fn enqueue_one(template: JobTemplate, payload: Option<JsonbDatum>, idempotency_key: Option<String>) -> (i64, bool) {
     let payload = arguments::required(payload, "payload");
     let idempotency_key = arguments::idempotency_key(idempotency_key);
     check_payload_size(payload.raw_size());
-    let job_id = as_extension_owner_of(|installed| {
+    let enqueued = as_extension_owner_of(|installed| {
         Spi::connect_mut(|client| template.insert_one(client, installed, payload, idempotency_key.as_deref()))
     });
     // A job leased to a sleeping worker wakes that worker only, by its hand-over.
     if !direct_lease::lease_pending() {
         crate::jobs::wakeup::wake_workers_at_commit();
     }
-    job_id
+    enqueued
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -383,7 +407,7 @@ fn enqueue_durable_jobs(
                     .collect::<Vec<_>>();
                 each.into_iter()
                     .zip(keys)
-                    .map(|(payload, key)| template.insert_one(client, installed, payload, key.as_deref()))
+                    .map(|(payload, key)| template.insert_one(client, installed, payload, key.as_deref()).0)
                     .collect()
             }
         })

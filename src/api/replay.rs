@@ -3,6 +3,7 @@
 //! fingerprint kept at enqueue. Every replay and cancellation is written to the audit table.
 
 use crate::api::enqueue::{check_payload_size, require_intake_enabled};
+use crate::api::status::sees_all_jobs;
 use crate::jobs::arguments;
 use crate::jobs::lease;
 use crate::jobs::{waiters, wakeup};
@@ -14,7 +15,7 @@ use pgrx::prelude::*;
 /// Most attempts a job may have, as enqueue allows.
 const EXTRA_ATTEMPTS_LIMIT: i32 = 1000;
 
-// $2: the payload; $3: the caller is a superuser; $4: the caller. Locks a job that can be
+// $2: the payload; $3: the caller sees every job; $4: the caller. Locks a job that can be
 // replayed, if the caller may (as cancel does, never another role's row), so that of two
 // concurrent replays the second sees the first one's result.
 const LOCK_FOR_REPLAY: &str = concat!(
@@ -68,22 +69,20 @@ fn replay_durable_job(
     check_payload_size(payload.raw_size());
     require_intake_enabled();
     let caller = caller();
-    let row = as_extension_owner_of(|_| {
+    let row = as_extension_owner_of(|installed| {
+        let sees_all = sees_all_jobs(&caller, installed.owner);
         Spi::connect_mut(|client| {
-            let args = [job_id.into(), payload.into(), caller.is_superuser.into(), caller.role_oid.into()];
+            let args = [job_id.into(), payload.into(), sees_all.into(), caller.role_oid.into()];
             let found = loop {
                 let found = plans::execute(client, LOCK_FOR_REPLAY, &args);
                 if !found.is_empty() {
                     break found;
                 }
-                let why = [job_id.into(), caller.role_oid.into(), caller.is_superuser.into()];
-                let (state, allowed) = lease::state_and_permission(client, &why)?;
-                if !allowed {
-                    refuse(
-                        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                        "permission denied to replay a job enqueued by another role",
-                    );
-                }
+                let why = [job_id.into(), caller.role_oid.into(), sees_all.into()];
+                // A job the caller may not see is, to it, no job: no row, as for a missing one.
+                let (state, true) = lease::state_and_permission(client, &why)? else {
+                    return None;
+                };
                 if !matches!(state.as_str(), "failed" | "cancelled") {
                     refuse(
                         PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -106,7 +105,11 @@ fn replay_durable_job(
                 );
             }
             if same_payload != Some(true) {
-                arguments::invalid("payload differs from the payload the job was enqueued with");
+                // 23514, not 22023: a well-formed argument that does not match the job's (422).
+                refuse(
+                    PgSqlErrorCode::ERRCODE_CHECK_VIOLATION,
+                    "payload differs from the payload the job was enqueued with",
+                );
             }
             if attempt_count + extra_attempts > EXTRA_ATTEMPTS_LIMIT {
                 arguments::invalid(&format!(

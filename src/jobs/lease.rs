@@ -368,7 +368,7 @@ pub fn release_unstarted(jobs: &[(i64, Uuid)], worker_id: &str) {
 }
 
 /// A job's state and whether the caller may act on it ($1 the job, $2 the caller, $3 whether it
-/// is a superuser); None when there is no such job.
+/// sees every job); None when there is no such job.
 pub(crate) fn state_and_permission(
     client: &mut pgrx::spi::SpiClient,
     args: &[DatumWithOid],

@@ -429,7 +429,8 @@ pub(crate) const RELEASE_UNSTARTED: &str = concat!(
     FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)"
 );
 
-// $2, $3: the caller's role and whether it is a superuser. A job belongs to the role that
+// $2, $3: the caller's role and whether it sees every job (a superuser, or a role with the
+// extension owner's privileges, as the status API's readers). A job belongs to the role that
 // enqueued it; members of that role (with its privileges) may act on it too.
 macro_rules! caller_may_act_on_job {
     () => {
@@ -451,7 +452,7 @@ pub(crate) const LOCK_FOR_CANCEL: &str = concat!(
 );
 
 /// Why a job was not locked for a change: its state and whether the caller may act on it (no
-/// row: there is no such job). $1 the job, $2 the caller, $3 whether it is a superuser.
+/// row: there is no such job). $1 the job, $2 the caller, $3 whether it sees every job.
 pub(crate) const STATE_AND_PERMISSION: &str = concat!(
     "
     SELECT j.job_state, ",

@@ -132,7 +132,7 @@ fn installed() -> Installed {
     if found.is_none() {
         ereport!(
             ERROR,
-            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
             "extension durable_jobs is not installed in this database"
         );
     }
