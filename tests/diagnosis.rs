@@ -462,11 +462,16 @@ fn queue_histograms_keep_to_a_hundred_queues() {
 fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
     let cluster = Cluster::start(PRELOADED);
     let mut client = cluster.connect();
-    let old: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    let old: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
     let job = claim(&mut client, "w0", 60).unwrap();
-    assert_eq!(fail_with_message(&mut client, &job, "w0", "invalid_request", "the old job's secret"), "failed");
+    assert_eq!(
+        fail_with_message(&mut client, &job, "w0", "invalid_request", "the old job's secret"),
+        "failed"
+    );
     client.batch_execute("TRUNCATE durable_jobs.durable_job RESTART IDENTITY").unwrap();
-    let new: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    let new: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
     assert_eq!(new, old, "the id came again");
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
 
@@ -480,16 +485,20 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
         )
         .unwrap();
     wait_until(Duration::from_secs(10), "the lease to lapse", || {
-        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE lease_expires_at <= clock_timestamp()") == 1
+        count(
+            &mut client,
+            "SELECT count(*) FROM durable_jobs.durable_job WHERE lease_expires_at <= clock_timestamp()",
+        ) == 1
     });
     let second = claim(&mut client, "w2", 60).expect("the claim takes the lapsed lease over");
     assert_eq!(second.attempt_count, 2);
-    let history: Vec<(i32, Option<String>, String, Option<String>)> = attempts(&mut client, new)
-        .into_iter()
-        .map(|a| (a.0, a.1, a.2, a.5))
-        .collect();
+    let history: Vec<(i32, Option<String>, String, Option<String>)> =
+        attempts(&mut client, new).into_iter().map(|a| (a.0, a.1, a.2, a.5)).collect();
     assert_eq!(
         history,
-        [(1, Some("w1".to_owned()), "lease_expired".to_owned(), None), (2, Some("w2".to_owned()), "running".to_owned(), None)]
+        [
+            (1, Some("w1".to_owned()), "lease_expired".to_owned(), None),
+            (2, Some("w2".to_owned()), "running".to_owned(), None)
+        ]
     );
 }

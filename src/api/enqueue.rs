@@ -333,7 +333,11 @@ fn enqueue_or_get_durable_job(
     TableIterator::once(enqueue_one(template, payload, idempotency_key))
 }
 
-fn enqueue_one(template: JobTemplate, payload: Option<JsonbDatum>, idempotency_key: Option<String>) -> (i64, bool) {
+fn enqueue_one(
+    template: JobTemplate,
+    payload: Option<JsonbDatum>,
+    idempotency_key: Option<String>,
+) -> (i64, bool) {
     let payload = arguments::required(payload, "payload");
     let idempotency_key = arguments::idempotency_key(idempotency_key);
     check_payload_size(payload.raw_size());

@@ -1,6 +1,7 @@
 //! The SQL API of leases: claim_next_durable_job, complete_durable_job, fail_durable_job,
 //! extend_durable_job_lease and cancel_durable_job.
 
+use crate::api::status::sees_all_jobs;
 use crate::jobs::arguments;
 use crate::jobs::counters::{self, Counter};
 use crate::jobs::failure::FailureCode;
@@ -10,7 +11,6 @@ use crate::jobs::statements::{
 };
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
-use crate::api::status::sees_all_jobs;
 use crate::pg::privilege::{as_extension_owner, as_extension_owner_of, caller};
 use crate::pg::sql_types::JsonbDatum;
 use pgrx::datum::DatumWithOid;
