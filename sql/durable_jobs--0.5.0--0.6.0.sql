@@ -148,14 +148,20 @@ COMMENT ON TABLE durable_jobs.durable_job_attempt IS
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');
 REVOKE ALL ON durable_jobs.durable_job_attempt FROM PUBLIC;
 
--- A TRUNCATE of the job table takes the attempts with it: with RESTART IDENTITY, new jobs would
--- take the old ids, and the old jobs' attempts (and their error texts) with them.
-CREATE FUNCTION durable_jobs.truncate_durable_job_attempts() RETURNS trigger
+-- Jobs deleted (by pruning, or by hand) or truncated take their attempts with them: a job id
+-- given out again (a TRUNCATE with RESTART IDENTITY, a sequence set back) must find none of the
+-- old job's attempts, or their error texts. Statement triggers: nothing on the paths that only
+-- insert and update jobs.
+CREATE FUNCTION durable_jobs.forget_durable_job_attempts() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
 AS $body$
 BEGIN
-    TRUNCATE durable_jobs.durable_job_attempt;
+    IF TG_OP = 'TRUNCATE' THEN
+        TRUNCATE durable_jobs.durable_job_attempt;
+    ELSE
+        DELETE FROM durable_jobs.durable_job_attempt a USING deleted_jobs d WHERE a.job_id = d.job_id;
+    END IF;
     RETURN NULL;
 END
 $body$;
@@ -163,8 +169,14 @@ $body$;
 CREATE TRIGGER durable_job_truncate_attempts
     AFTER TRUNCATE ON durable_jobs.durable_job
     FOR EACH STATEMENT
-    EXECUTE FUNCTION durable_jobs.truncate_durable_job_attempts();
-REVOKE ALL ON FUNCTION durable_jobs.truncate_durable_job_attempts() FROM PUBLIC;
+    EXECUTE FUNCTION durable_jobs.forget_durable_job_attempts();
+
+CREATE TRIGGER durable_job_delete_attempts
+    AFTER DELETE ON durable_jobs.durable_job
+    REFERENCING OLD TABLE AS deleted_jobs
+    FOR EACH STATEMENT
+    EXECUTE FUNCTION durable_jobs.forget_durable_job_attempts();
+REVOKE ALL ON FUNCTION durable_jobs.forget_durable_job_attempts() FROM PUBLIC;
 
 CREATE FUNCTION durable_jobs.get_durable_job_attempts(job_id pg_catalog.int8)
     RETURNS TABLE (
@@ -222,7 +234,7 @@ BEGIN
     EXECUTE pg_catalog.format(
         'ALTER FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
         'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) OWNER TO %s', extension_owner);
-    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.truncate_durable_job_attempts() OWNER TO %s',
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.forget_durable_job_attempts() OWNER TO %s',
                               extension_owner);
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
     FROM pg_catalog.pg_class c
@@ -234,7 +246,7 @@ BEGIN
                     'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure,
                     'durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
                     'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)'::pg_catalog.regprocedure,
-                    'durable_jobs.truncate_durable_job_attempts()'::pg_catalog.regprocedure)
+                    'durable_jobs.forget_durable_job_attempts()'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;
@@ -258,21 +270,41 @@ DO $carry$
 DECLARE
     fresh_acl pg_catalog.aclitem[];
     given record;
+    invoker pg_catalog.text := pg_catalog.quote_ident(CURRENT_USER);
+    done pg_catalog.text[] := '{}';
+    carried pg_catalog.int4;
 BEGIN
     EXECUTE pg_catalog.format(
         'ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) OWNER TO %s',
         (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
     SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
     WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure;
-    FOR given IN
-        SELECT a.grantee, a.is_grantable
-        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
-        WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
-          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    -- Each grant is made again by the role that made it (the owner's by the owner), so that who
+    -- may revoke what stays as it was; one made with a grant option waits for the grant that
+    -- gives that option, pass after pass.
     LOOP
-        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) TO %s%s',
-            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
-            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        carried := 0;
+        FOR given IN
+            SELECT a.grantor, a.grantee, a.is_grantable, a.grantor = p.proowner AS by_owner
+            FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+            WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
+              AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+              AND NOT (a.grantor::pg_catalog.text || '/' || a.grantee::pg_catalog.text = ANY (done))
+              AND (a.grantor = p.proowner
+                   OR pg_catalog.has_function_privilege(a.grantor, 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
+                                                        'EXECUTE WITH GRANT OPTION'))
+        LOOP
+            IF NOT given.by_owner THEN
+                EXECUTE pg_catalog.format('SET ROLE %s', given.grantor::pg_catalog.regrole);
+            END IF;
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) TO %s%s',
+                CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+                CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+            EXECUTE 'SET ROLE ' || invoker;
+            done := done || (given.grantor::pg_catalog.text || '/' || given.grantee::pg_catalog.text);
+            carried := carried + 1;
+        END LOOP;
+        EXIT WHEN carried = 0;
     END LOOP;
     -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
     -- leaves out: record the function's privileges as a fresh install has them, so that the

@@ -23,7 +23,11 @@ DECLARE
     initial record;
     saved_initial_subids pg_catalog.int4[] := '{}';
     saved_initial_types pg_catalog.char[] := '{}';
-    saved_initial_privs pg_catalog.text[] := '{}';
+    -- Kept as aclitems, never as text: an item may name a role dropped since (PostgreSQL 15
+    -- keeps its oid there), which text could not be read back as. Each row's items in turn.
+    saved_initial_items pg_catalog.aclitem[] := '{}';
+    saved_initial_counts pg_catalog.int4[] := '{}';
+    first_item pg_catalog.int4 := 1;
     privilege record;
     i pg_catalog.int4;
 BEGIN
@@ -42,7 +46,8 @@ BEGIN
     LOOP
         saved_initial_subids := saved_initial_subids || initial.objsubid;
         saved_initial_types := saved_initial_types || initial.privtype;
-        saved_initial_privs := saved_initial_privs || initial.initprivs::pg_catalog.text;
+        saved_initial_items := saved_initial_items || initial.initprivs;
+        saved_initial_counts := saved_initial_counts || pg_catalog.cardinality(initial.initprivs);
     END LOOP;
 
     DROP VIEW durable_jobs.durable_job_handlers;
@@ -82,7 +87,9 @@ BEGIN
     FOR i IN 1 .. pg_catalog.cardinality(saved_initial_subids) LOOP
         INSERT INTO pg_catalog.pg_init_privs (objoid, classoid, objsubid, privtype, initprivs)
         VALUES (view_oid, 'pg_catalog.pg_class'::pg_catalog.regclass, saved_initial_subids[i],
-                saved_initial_types[i], saved_initial_privs[i]::pg_catalog.aclitem[]);
+                saved_initial_types[i],
+                saved_initial_items[first_item : first_item + saved_initial_counts[i] - 1]);
+        first_item := first_item + saved_initial_counts[i];
     END LOOP;
 END
 $remake$;
@@ -92,7 +99,8 @@ DROP FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalo
     pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4);
 DROP FUNCTION durable_jobs.get_durable_job_attempts(pg_catalog.int8);
 DROP TRIGGER durable_job_truncate_attempts ON durable_jobs.durable_job;
-DROP FUNCTION durable_jobs.truncate_durable_job_attempts();
+DROP TRIGGER durable_job_delete_attempts ON durable_jobs.durable_job;
+DROP FUNCTION durable_jobs.forget_durable_job_attempts();
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_attempt;
 DROP TABLE durable_jobs.durable_job_attempt;
 ALTER TABLE durable_jobs.durable_job DROP COLUMN attempt_started_at, DROP COLUMN attempt_worker_id;
@@ -112,22 +120,45 @@ DO $carry$
 DECLARE
     fresh_acl pg_catalog.aclitem[];
     given record;
+    invoker pg_catalog.text := pg_catalog.quote_ident(CURRENT_USER);
+    done pg_catalog.text[] := '{}';
+    carried pg_catalog.int4;
 BEGIN
     EXECUTE pg_catalog.format(
         'ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) OWNER TO %s',
         (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
     SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
     WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure;
-    FOR given IN
-        SELECT a.grantee, a.is_grantable
-        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
-        WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure
-          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+    -- Each grant is made again by the role that made it (the owner's by the owner), so that who
+    -- may revoke what stays as it was; one made with a grant option waits for the grant that
+    -- gives that option, pass after pass.
     LOOP
-        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) TO %s%s',
-            CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
-            CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        carried := 0;
+        FOR given IN
+            SELECT a.grantor, a.grantee, a.is_grantable, a.grantor = p.proowner AS by_owner
+            FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+            WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure
+              AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+              AND NOT (a.grantor::pg_catalog.text || '/' || a.grantee::pg_catalog.text = ANY (done))
+              AND (a.grantor = p.proowner
+                   OR pg_catalog.has_function_privilege(a.grantor, 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure,
+                                                        'EXECUTE WITH GRANT OPTION'))
+        LOOP
+            IF NOT given.by_owner THEN
+                EXECUTE pg_catalog.format('SET ROLE %s', given.grantor::pg_catalog.regrole);
+            END IF;
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) TO %s%s',
+                CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
+                CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+            EXECUTE 'SET ROLE ' || invoker;
+            done := done || (given.grantor::pg_catalog.text || '/' || given.grantee::pg_catalog.text);
+            carried := carried + 1;
+        END LOOP;
+        EXIT WHEN carried = 0;
     END LOOP;
+    -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
+    -- leaves out: record the function's privileges as a fresh install has them, so that the
+    -- operators' grants stay theirs and are dumped.
     UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
     WHERE objoid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
       AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;

@@ -93,14 +93,20 @@ COMMENT ON TABLE durable_jobs.durable_job_attempt IS
 
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '');
 
--- A TRUNCATE of the job table takes the attempts with it: with RESTART IDENTITY, new jobs would
--- take the old ids, and the old jobs' attempts (and their error texts) with them.
-CREATE FUNCTION durable_jobs.truncate_durable_job_attempts() RETURNS trigger
+-- Jobs deleted (by pruning, or by hand) or truncated take their attempts with them: a job id
+-- given out again (a TRUNCATE with RESTART IDENTITY, a sequence set back) must find none of the
+-- old job's attempts, or their error texts. Statement triggers: nothing on the paths that only
+-- insert and update jobs.
+CREATE FUNCTION durable_jobs.forget_durable_job_attempts() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
 AS $body$
 BEGIN
-    TRUNCATE durable_jobs.durable_job_attempt;
+    IF TG_OP = 'TRUNCATE' THEN
+        TRUNCATE durable_jobs.durable_job_attempt;
+    ELSE
+        DELETE FROM durable_jobs.durable_job_attempt a USING deleted_jobs d WHERE a.job_id = d.job_id;
+    END IF;
     RETURN NULL;
 END
 $body$;
@@ -108,4 +114,10 @@ $body$;
 CREATE TRIGGER durable_job_truncate_attempts
     AFTER TRUNCATE ON durable_jobs.durable_job
     FOR EACH STATEMENT
-    EXECUTE FUNCTION durable_jobs.truncate_durable_job_attempts();
+    EXECUTE FUNCTION durable_jobs.forget_durable_job_attempts();
+
+CREATE TRIGGER durable_job_delete_attempts
+    AFTER DELETE ON durable_jobs.durable_job
+    REFERENCING OLD TABLE AS deleted_jobs
+    FOR EACH STATEMENT
+    EXECUTE FUNCTION durable_jobs.forget_durable_job_attempts();

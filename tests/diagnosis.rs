@@ -453,11 +453,12 @@ fn queue_histograms_keep_to_a_hundred_queues() {
     assert!(counts.contains(&"durable_jobs_job_run_seconds_count{queue=\"\"} 5"), "{counts:?}");
 }
 
-/// A TRUNCATE of the job table takes the attempts with it: a new job that takes an old id after
-/// RESTART IDENTITY shows none of the old job's attempts. An attempt row left behind another way
-/// (jobs deleted by hand, their ids given out again) is written over: it never fails the claim
-/// that takes a lapsed lease over. (Failed before: the claim raised 23505 on the attempt's
-/// primary key, found by the isolation specs, whose teardown truncates the job table.)
+/// A TRUNCATE of the job table, or a DELETE of jobs, takes their attempts with it: a new job that
+/// takes an old id (after RESTART IDENTITY, or a sequence set back) shows none of the old job's
+/// attempts. An attempt row left behind all the same (written by hand here) is written over: it
+/// never fails the claim that takes a lapsed lease over. (Failed before: the claim raised 23505
+/// on the attempt's primary key, found by the isolation specs, whose teardown truncates the job
+/// table; and, with the TRUNCATE trigger alone, a deleted job's attempts showed under its id.)
 #[test]
 fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
     let cluster = Cluster::start(PRELOADED);
@@ -472,6 +473,17 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
     client.batch_execute("TRUNCATE durable_jobs.durable_job RESTART IDENTITY").unwrap();
     let new: i64 =
         client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    assert_eq!(new, old, "the id came again");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
+    let job = claim(&mut client, "w0", 60).unwrap();
+    assert_eq!(fail_with_message(&mut client, &job, "w0", "invalid_request", "another old secret"), "failed");
+    client
+        .batch_execute(
+            "DELETE FROM durable_jobs.durable_job;
+             SELECT setval('durable_jobs.durable_job_job_id_seq', 1, false);",
+        )
+        .unwrap();
+    let new: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
     assert_eq!(new, old, "the id came again");
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
 
@@ -501,4 +513,45 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
             (2, Some("w2".to_owned()), "running".to_owned(), None)
         ]
     );
+}
+
+/// A job this transaction leased to a sleeping worker at its enqueue, then cancelled before its
+/// commit, was never running to anyone else and never started: no attempt is recorded, and the
+/// audit says it was available. (Failed before: a cancelled attempt of the worker showed.)
+#[test]
+fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.poll_interval = '10s'\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.ok(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('ok', 'public.ok(jsonb)');",
+        )
+        .unwrap();
+    // Enqueued while the worker sleeps, the job is leased to it at once (seen running in the
+    // transaction); a try that finds the worker awake rolls back and tries again.
+    let mut leased = None;
+    wait_until(Duration::from_secs(30), "an enqueue leased to the sleeping worker", || {
+        harness::wait_for_the_workers_sleep(&mut client);
+        let mut txn = client.transaction().unwrap();
+        let job_id: i64 = txn.query_one("SELECT durable_jobs.enqueue_durable_job('ok', '{}')", &[]).unwrap().get(0);
+        let state: String =
+            txn.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id]).unwrap().get(0);
+        if state != "running" {
+            txn.rollback().unwrap();
+            return false;
+        }
+        let cancelled: bool = txn.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+        assert!(cancelled);
+        txn.commit().unwrap();
+        leased = Some(job_id);
+        true
+    });
+    let job_id = leased.unwrap();
+    assert_eq!(attempts(&mut client, job_id), vec![]);
+    let audited: String = client
+        .query_one("SELECT previous_state FROM durable_jobs.durable_job_audit WHERE job_id = $1", &[&job_id])
+        .unwrap()
+        .get(0);
+    assert_eq!(audited, "available");
 }

@@ -749,3 +749,67 @@ fn a_call_that_waits_for_an_update_runs_against_the_schema_the_update_left() {
         ("cancelled".into(), 2, 1)
     );
 }
+
+/// The grants on fail_durable_job, whose arguments 0.6.0 changed, are carried over by the roles
+/// that made them, both ways: a grant made with another's grant option stays that role's to
+/// revoke, and goes with a CASCADE revoke of the option. (Failed before: every carried grant was
+/// made by the extension's owner, so the chain w1 -> w2 was lost.)
+#[test]
+fn the_grants_on_fail_durable_job_keep_their_grantors_through_the_update_and_back() {
+    let cluster = Cluster::start_without_extension("");
+    let mut admin = cluster.connect();
+    admin
+        .batch_execute(
+            "CREATE EXTENSION durable_jobs VERSION '0.5.0';
+             CREATE ROLE w1;  CREATE ROLE w2;
+             GRANT USAGE ON SCHEMA durable_jobs TO w1, w2;
+             GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(bigint, text, uuid, text) TO w1 WITH GRANT OPTION;
+             SET ROLE w1;
+             GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(bigint, text, uuid, text) TO w2;
+             RESET ROLE;",
+        )
+        .unwrap();
+    let grants = |client: &mut Client, signature: &str| -> Vec<String> {
+        client
+            .query(
+                &format!(
+                    "SELECT a.grantee::regrole || ' by ' || a.grantor::regrole || CASE WHEN a.is_grantable THEN ' with option' ELSE '' END
+                     FROM pg_proc p, aclexplode(p.proacl) a
+                     WHERE p.oid = 'durable_jobs.fail_durable_job({signature})'::regprocedure AND a.grantee <> p.proowner
+                     ORDER BY 1"
+                ),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect()
+    };
+    let expected = ["w1 by postgres with option", "w2 by w1"];
+    assert_eq!(grants(&mut admin, "bigint, text, uuid, text"), expected);
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").unwrap();
+    assert_eq!(grants(&mut admin, "bigint, text, uuid, text, text"), expected);
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").unwrap();
+    assert_eq!(grants(&mut admin, "bigint, text, uuid, text"), expected);
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").unwrap();
+    admin
+        .batch_execute("REVOKE EXECUTE ON FUNCTION durable_jobs.fail_durable_job(bigint, text, uuid, text, text) FROM w1 CASCADE")
+        .unwrap();
+    assert_eq!(grants(&mut admin, "bigint, text, uuid, text, text"), Vec::<String>::new(), "w2's grant went with w1's option");
+}
+
+/// A downgrade after the extension's objects were reassigned and their first owner dropped (the
+/// initial privileges keep that role's oid): the view it makes again gets its initial privileges
+/// back as they were. (Failed before: they were kept as text, which named the dropped role by
+/// its oid and could not be read back, "role ... does not exist".)
+#[test]
+fn a_downgrade_after_the_first_owner_was_reassigned_and_dropped_succeeds() {
+    let cluster = Cluster::start_without_extension("");
+    let mut admin = cluster.connect();
+    admin.batch_execute("CREATE ROLE first_owner SUPERUSER LOGIN; CREATE ROLE queue_owner").unwrap();
+    cluster.connect_as("first_owner").batch_execute("CREATE EXTENSION durable_jobs").unwrap();
+    admin.batch_execute("REASSIGN OWNED BY first_owner TO queue_owner; DROP ROLE first_owner").unwrap();
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").expect("downgrade");
+    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").expect("update again");
+    admin.batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{}')").expect("enqueue after both");
+}

@@ -2249,3 +2249,46 @@ fn a_completion_that_gives_up_waiting_for_its_row_is_not_blamed_on_the_handler()
         .collect();
     assert_eq!(history, [(1, "lease_expired".to_owned(), None), (2, "succeeded".to_owned(), None)]);
 }
+
+/// An error of the worker's own completion that is no wait for a row (here from a trigger an
+/// operator put on the job table, refusing the first attempt's success) is the worker's, not the
+/// handler's: nothing is recorded, counted or logged as the handler's failure, the job is left
+/// to its lease, and its next attempt succeeds. (Failed before: the error was taken for the
+/// handler's, the job retried as unexpected_failure with SQLSTATE P0001, its first attempt
+/// recorded failed.)
+#[test]
+fn an_error_of_the_workers_completion_is_not_blamed_on_the_handler() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.lease_duration = 3\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(&format!(
+            "{}
+             CREATE FUNCTION public.refuse_first_success() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.job_state = 'succeeded' AND NEW.attempt_count = 1 THEN
+                     RAISE EXCEPTION 'the first success is refused';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_first_success BEFORE UPDATE ON durable_jobs.durable_job
+                 FOR EACH ROW EXECUTE FUNCTION public.refuse_first_success();",
+            harness::RECORD_HANDLER
+        ))
+        .unwrap();
+    let job_id: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}')", &[]).unwrap().get(0);
+    wait_until(Duration::from_secs(60), "the job to end", || {
+        !matches!(job_outcome(&mut client, &format!("job_id = {job_id}")).0.as_str(), "running" | "available")
+    });
+    assert_eq!(job_outcome(&mut client, &format!("job_id = {job_id}")), ("succeeded".to_owned(), None, 2));
+    let history: Vec<(i32, String, Option<String>)> = client
+        .query("SELECT attempt, outcome, sqlstate FROM durable_jobs.get_durable_job_attempts($1)", &[&job_id])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(history, [(1, "lease_expired".to_owned(), None), (2, "succeeded".to_owned(), None)]);
+    assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
+    assert!(cluster.server_log().contains(&format!("completing job {job_id} failed (SQLSTATE P0001)")));
+    assert_eq!(harness::table_rows(&mut client, "public.effects", "n"), ["(1)"], "one effect");
+}

@@ -22,12 +22,12 @@ const ATTEMPTS: &str = concat!(
     UNION ALL
     SELECT j.attempt_count, j.attempt_worker_id, j.attempt_started_at,
            CASE WHEN j.job_state = 'succeeded' THEN j.finished_at
-                WHEN j.lease_expires_at <= pg_catalog.clock_timestamp() THEN j.lease_expires_at END,
+                WHEN j.lease_expires_at <= now.t THEN j.lease_expires_at END,
            CASE WHEN j.job_state = 'succeeded' THEN 'succeeded'
-                WHEN j.lease_expires_at > pg_catalog.clock_timestamp() THEN 'running'
-                ELSE 'lease_expired' END,
+                WHEN j.lease_expires_at <= now.t THEN 'lease_expired'
+                ELSE 'running' END,
            NULL, NULL, NULL
-    FROM durable_jobs.durable_job j
+    FROM durable_jobs.durable_job j, (SELECT pg_catalog.clock_timestamp() AS t) now
     WHERE j.job_id = $1 AND j.job_state IN ('running', 'succeeded') AND j.attempt_count > 0 AND ",
     crate::visible_to_caller!(),
     "

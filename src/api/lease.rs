@@ -215,6 +215,14 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
                 }
                 // Replayed between the two reads: lock it now.
             };
+            // A job this transaction leased at its enqueue was never running to anyone else, and
+            // no worker started it: cancelled as the available job it is, with no attempt.
+            let state = match state.as_deref() {
+                Some("running") if crate::jobs::direct_lease::leased_job() == Some(job_id) => {
+                    Some("available".to_string())
+                }
+                _ => state,
+            };
             let cancelled = if installed.has_status_api {
                 let args = [
                     job_id.into(),

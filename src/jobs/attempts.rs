@@ -1,12 +1,16 @@
 //! The attempt history: what the lease statements write about each attempt, and the error text
 //! they keep. An attempt that ends otherwise than in success gets a row of
-//! `durable_job_attempt` in the statement that ends it: a failure (`FAIL`), a lapsed lease
-//! taken over by a claim or expired on the last attempt, a cancel while it runs. A running or
-//! succeeded attempt is the job's latest and lives on the job row (`attempt_started_at`,
-//! `attempt_worker_id`, set by the claim), so a job that succeeds writes nothing more than
-//! before. `api::attempts` reads both.
+//! `durable_job_attempt`: a failure (`FAIL`) and a cancel while it runs (`CANCEL`) write it in
+//! the statement that ends it; a lapsed lease, taken over by a claim or expired on the last
+//! attempt, is returned by that statement and written by `record_lapsed_leases` after it, only
+//! when there is one, so that a claim neither starts an insert nor locks the history table. A
+//! running or succeeded attempt is the job's latest and lives on the job row
+//! (`attempt_started_at`, `attempt_worker_id`, set by the claim), so a job that succeeds writes
+//! nothing more than before. `api::attempts` reads both.
 
+use crate::pg::plans;
 use crate::pg::settings;
+use pgrx::prelude::*;
 
 /// The longest error message an attempt keeps, in characters; a longer one is cut there.
 pub const ERROR_MESSAGE_LIMIT: usize = 2000;
@@ -25,35 +29,18 @@ macro_rules! attempt_history {
     (started) => {
         "attempt_started_at = pg_catalog.clock_timestamp(), attempt_worker_id = $2, "
     };
-    // After the claim: the attempts whose lapsed leases it took over ended then.
-    (reclaimed) => {
-        concat!(
-            ",
-                reclaimed AS (
-                    INSERT INTO durable_jobs.durable_job_attempt
-                        (job_id, attempt, worker_id, started_at, ended_at, outcome)
-                    SELECT c.job_id, c.was_attempt, c.was_worker, c.was_started, c.was_expiry, 'lease_expired'
-                    FROM candidate c WHERE c.was_state = 'running'",
-            crate::over_an_older_attempt!(),
-            ")"
-        )
+    // What the claim returns of the attempt before (a lapsed lease it took over ended then):
+    // whether there was one, its number, worker, start and end, for `record_lapsed_leases`.
+    (reclaimed_returning) => {
+        ", numbered.was_state = 'running', numbered.was_attempt, numbered.was_worker, numbered.was_started,
+                          numbered.was_expiry"
     };
     (expired_returning) => {
         ", x.attempt_count, x.attempt_worker_id, x.attempt_started_at"
     };
-    // The last attempts whose leases lapsed: they ended when their leases did.
-    (expired) => {
-        concat!(
-            ",
-                expired_attempts AS (
-                    INSERT INTO durable_jobs.durable_job_attempt
-                        (job_id, attempt, worker_id, started_at, ended_at, outcome)
-                    SELECT e.job_id, e.attempt_count, e.attempt_worker_id, e.attempt_started_at, e.was_expiry,
-                           'lease_expired'
-                    FROM expired e",
-            crate::over_an_older_attempt!(),
-            ")"
-        )
+    // The same of the last attempts whose leases lapsed, which the expiry ended.
+    (expired_selected) => {
+        ", true, attempt_count, attempt_worker_id, attempt_started_at, was_expiry"
     };
     (failed_returning) => {
         ", job_id, attempt_count, attempt_started_at, queue_name"
@@ -124,6 +111,65 @@ macro_rules! no_attempt_history {
     ($part:ident) => {
         ""
     };
+}
+
+/// An attempt whose lease lapsed, as a claim or the expiry returned it.
+pub struct LapsedLease {
+    pub job_id: i64,
+    pub attempt: i32,
+    pub worker_id: Option<String>,
+    pub started_at: Option<TimestampWithTimeZone>,
+    pub lease_expired_at: TimestampWithTimeZone,
+}
+
+impl LapsedLease {
+    /// The attempt before, from a claim's or the expiry's row whose columns from `first` on are
+    /// `attempt_history!(reclaimed_returning)` or `(expired_selected)`; None when the claim took
+    /// an available job.
+    pub fn from_row(row: &pgrx::spi::SpiHeapTupleData, job_id: i64, first: usize) -> Option<LapsedLease> {
+        if row.get::<bool>(first).ok()?? {
+            Some(LapsedLease {
+                job_id,
+                attempt: row.get(first + 1).ok()??,
+                worker_id: row.get(first + 2).ok()?,
+                started_at: row.get(first + 3).ok()?,
+                lease_expired_at: row.get(first + 4).ok()??,
+            })
+        } else {
+            None
+        }
+    }
+}
+
+const RECORD_LAPSED_LEASES: &str = concat!(
+    "
+    INSERT INTO durable_jobs.durable_job_attempt (job_id, attempt, worker_id, started_at, ended_at, outcome)
+    SELECT a.job_id, a.attempt, a.worker_id, a.started_at, a.ended_at, 'lease_expired'
+    FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int8[]), pg_catalog.unnest($2::pg_catalog.int4[]),
+                    pg_catalog.unnest($3::pg_catalog.text[]), pg_catalog.unnest($4::pg_catalog.timestamptz[]),
+                    pg_catalog.unnest($5::pg_catalog.timestamptz[]))
+         AS a(job_id, attempt, worker_id, started_at, ended_at)",
+    crate::over_an_older_attempt!()
+);
+
+/// Writes the attempts whose lapsed leases a claim took over or the expiry ended, in the
+/// current transaction (theirs), as the extension owner. Nothing to do, and no statement, when
+/// there are none.
+pub fn record_lapsed_leases(client: &mut pgrx::spi::SpiClient, lapsed: Vec<LapsedLease>) {
+    if lapsed.is_empty() {
+        return;
+    }
+    let mut columns: (Vec<i64>, Vec<i32>, Vec<Option<String>>, Vec<Option<TimestampWithTimeZone>>, Vec<TimestampWithTimeZone>) =
+        Default::default();
+    for attempt in lapsed {
+        columns.0.push(attempt.job_id);
+        columns.1.push(attempt.attempt);
+        columns.2.push(attempt.worker_id);
+        columns.3.push(attempt.started_at);
+        columns.4.push(attempt.lease_expired_at);
+    }
+    let args = [columns.0.into(), columns.1.into(), columns.2.into(), columns.3.into(), columns.4.into()];
+    plans::execute(client, RECORD_LAPSED_LEASES, &args);
 }
 
 /// The error message a failed attempt keeps: none while `durable_jobs.keep_error_messages` is

@@ -159,6 +159,14 @@ pub fn leased(
     });
 }
 
+/// The job this transaction leased to a sleeping worker at its enqueue, withdrawn or not: until
+/// the commit, no one but this transaction sees it running, and no worker has started it.
+pub fn leased_job() -> Option<i64> {
+    RESERVATION.with(|reservation| {
+        reservation.borrow().as_ref().and_then(|held| held.leased.as_ref().map(|leased| leased.job.0))
+    })
+}
+
 /// Whether this transaction holds a job leased to a sleeping worker, to hand over at commit.
 pub fn lease_pending() -> bool {
     RESERVATION.with(|reservation| {

@@ -6,7 +6,7 @@
 //! clock_timestamp() at that moment, so a worker whose lease lapsed or was taken over changes
 //! nothing and is told `stale`. The statements are in `jobs::statements`.
 
-use crate::jobs::attempts;
+use crate::jobs::attempts::{self, LapsedLease};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::histograms::Observation;
 use crate::jobs::statements::{
@@ -93,10 +93,16 @@ pub const EXPIRE_BATCH: usize = 100;
 pub fn expire_exhausted_leases() -> usize {
     as_extension_owner(|| {
         Spi::connect_mut(|client| {
+            let mut lapsed = Vec::new();
             let expired: Vec<i64> =
                 plans::execute(client, EXPIRE_EXHAUSTED, &[DatumWithOid::null::<Vec<String>>()])
-                    .map(|row| row.get(1).unwrap().unwrap())
+                    .map(|row| {
+                        let job_id = row.get(1).unwrap().unwrap();
+                        lapsed.extend(LapsedLease::from_row(&row, job_id, 2));
+                        job_id
+                    })
                     .collect();
+            attempts::record_lapsed_leases(client, lapsed);
             let count = expired.len();
             waiters::wake_waiters_at_commit(expired, Change::Terminal);
             count
@@ -142,12 +148,20 @@ pub fn claim_jobs(
                 (false, false, false) => CLAIM_ON_OLD_SCHEMA,
             };
             let mut expired = Vec::new();
+            // The attempts before: lapsed leases the claim took over or the expiry ended (their
+            // columns follow the handler's, on a schema with the attempt history).
+            let mut lapsed = Vec::new();
+            let history_columns = if handlers_only { 11 } else { 9 };
             let claimed: Vec<ClaimedJob> =
                 plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
                     .filter(|row| {
+                        let job_id = row.get::<i64>(1).unwrap().unwrap();
+                        if installed.has_attempt_history || handlers_only {
+                            lapsed.extend(LapsedLease::from_row(row, job_id, history_columns));
+                        }
                         let is_claimed = row.get::<Uuid>(2).unwrap().is_some();
                         if !is_claimed {
-                            expired.push(row.get::<i64>(1).unwrap().unwrap());
+                            expired.push(job_id);
                         }
                         is_claimed
                     })
@@ -164,6 +178,7 @@ pub fn claim_jobs(
                         registered_by: if handlers_only { row.get(10).unwrap() } else { None },
                     })
                     .collect();
+            attempts::record_lapsed_leases(client, lapsed);
             waiters::wake_waiters_at_commit(claimed.iter().map(|job| job.job_id), Change::Other);
             waiters::wake_waiters_at_commit(expired, Change::Terminal);
             claimed

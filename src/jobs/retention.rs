@@ -1,6 +1,7 @@
-//! Retention: deleting finished jobs with their attempts, and audit rows of the same age. The
-//! background workers do it on their own every second (`durable_jobs.retention_period`);
-//! `api::retention`'s `prune_durable_jobs` does the same for a caller.
+//! Retention: deleting finished jobs (their attempts go with them, by trigger), and audit rows of
+//! the same age. The background workers do it on their own every second
+//! (`durable_jobs.retention_period`); `api::retention`'s `prune_durable_jobs` does the same for a
+//! caller.
 
 use crate::pg::plans;
 use crate::pg::privilege::Installed;
@@ -28,10 +29,6 @@ pub const DELETE_OLD_AUDIT: &str = "
         LIMIT $2)
     DELETE FROM durable_jobs.durable_job_audit a USING expired WHERE a.audit_id = expired.audit_id";
 
-// The attempts of deleted jobs ($1) go with them (schemas from 0.6.0 on).
-pub const DELETE_ATTEMPTS: &str =
-    "DELETE FROM durable_jobs.durable_job_attempt WHERE job_id = ANY ($1::pg_catalog.int8[])";
-
 /// Deletes up to `limit` jobs finished more than `older_than` ago, and up to `limit` audit rows
 /// as old; returns how many jobs it deleted. The caller has pinned search_path and has the
 /// privileges of the extension owner.
@@ -44,9 +41,6 @@ pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i
         let deleted: Vec<i64> = plans::execute(client, DELETE_FINISHED, &args)
             .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))
             .collect();
-        if installed.has_attempt_history && !deleted.is_empty() {
-            plans::execute(client, DELETE_ATTEMPTS, &[deleted.clone().into()]);
-        }
         // Their waiters learn at the commit that they are gone.
         crate::jobs::waiters::wake_waiters_at_commit(
             deleted.iter().copied(),

@@ -59,8 +59,7 @@ macro_rules! expire_exhausted_ctes {
                     FROM exhausted WHERE x.job_id = exhausted.job_id
                     RETURNING x.job_id, exhausted.was_expiry",
             $history!(expired_returning),
-            ")",
-            $history!(expired)
+            ")"
         )
     };
 }
@@ -101,7 +100,7 @@ macro_rules! claim_ctes {
                     ORDER BY priority DESC, run_after, job_id
                     LIMIT {limit}
                     FOR UPDATE OF durable_job SKIP LOCKED),
-                numbered AS (SELECT job_id, pg_catalog.row_number() OVER () AS n FROM candidate),
+                numbered AS (SELECT c.*, pg_catalog.row_number() OVER () AS n FROM candidate c),
                 claimed AS (
                 UPDATE durable_jobs.durable_job j
                 SET job_state = 'running', ",
@@ -117,8 +116,8 @@ macro_rules! claim_ctes {
                 RETURNING j.job_id, j.lease_token, j.lease_expires_at, j.job_kind, j.payload,
                           j.attempt_count, j.max_attempts, j.enqueued_by::pg_catalog.text",
             $returning,
-            ")",
-            $history!(reclaimed)
+            $history!(reclaimed_returning),
+            ")"
         )
     };
 }
@@ -136,7 +135,9 @@ macro_rules! claim_statement {
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
                 UNION ALL
-                SELECT job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM expired"
+                SELECT job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL",
+            $history!(expired_selected),
+            " FROM expired"
         )
     };
 }
@@ -197,7 +198,9 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
 pub(crate) const EXPIRE_EXHAUSTED: &str = concat!(
     "WITH",
     expire_exhausted_ctes!(expiry_columns!(), attempt_history),
-    " SELECT job_id FROM expired"
+    " SELECT job_id",
+    attempt_history!(expired_selected),
+    " FROM expired"
 );
 
 macro_rules! complete_statement {

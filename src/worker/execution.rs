@@ -404,14 +404,16 @@ fn run_job(
             tally.observe(observation.take());
         }
         Ok(false) => tally.count(Counter::Stale),
-        Err(error) if completing.get() && gave_up_waiting(&error) => {
-            // The fenced completion gave up, not the handler: another session held the job's row
-            // past the worker's wait (an open transaction that cancelled it, a claimer's lock),
-            // or a deadlock with it. The handler's writes went with the subtransaction; the job
-            // is left to its lease, as a lease lost, and claimed again when that expires.
+        Err(error) if completing.get() => {
+            // The fenced completion failed, not the handler: another session held the job's row
+            // past the worker's wait (an open transaction that cancelled it, a claimer's lock), a
+            // deadlock with it, or the worker's own error (a query cancel sent to the worker, no
+            // memory). The handler's writes went with the subtransaction; the job is left to its
+            // lease, as a lease lost, and claimed again when that expires.
+            let what = if gave_up_waiting(&error) { "gave up waiting for its row" } else { "failed" };
             log!(
-                "durable_jobs worker: completing job {job_id} gave up waiting for its row (SQLSTATE {}); its \
-                 handler's writes were rolled back and it is claimed again when its lease expires",
+                "durable_jobs worker: completing job {job_id} {what} (SQLSTATE {}); its handler's writes were \
+                 rolled back and it is claimed again when its lease expires",
                 error.sqlstate()
             );
             tally.count(Counter::Stale);
