@@ -118,50 +118,37 @@ CREATE FUNCTION durable_jobs.fail_durable_job(
 REVOKE ALL ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) FROM PUBLIC;
 DO $carry$
 DECLARE
+    old_routine pg_catalog.oid := 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure;
+    new_routine pg_catalog.oid := 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure;
+    owner pg_catalog.oid := (SELECT x.extowner FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs');
+    old_owner pg_catalog.oid := (SELECT p.proowner FROM pg_catalog.pg_proc p WHERE p.oid = old_routine);
     fresh_acl pg_catalog.aclitem[];
-    given record;
-    invoker pg_catalog.text := pg_catalog.quote_ident(CURRENT_USER);
-    done pg_catalog.text[] := '{}';
-    carried pg_catalog.int4;
 BEGIN
-    EXECUTE pg_catalog.format(
-        'ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) OWNER TO %s',
-        (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
-    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p
-    WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure;
-    -- Each grant is made again by the role that made it (the owner's by the owner), so that who
-    -- may revoke what stays as it was; one made with a grant option waits for the grant that
-    -- gives that option, pass after pass.
-    LOOP
-        carried := 0;
-        FOR given IN
-            SELECT a.grantor, a.grantee, a.is_grantable, a.grantor = p.proowner AS by_owner
-            FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
-            WHERE p.oid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure
-              AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
-              AND NOT (a.grantor::pg_catalog.text || '/' || a.grantee::pg_catalog.text = ANY (done))
-              AND (a.grantor = p.proowner
-                   OR pg_catalog.has_function_privilege(a.grantor, 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure,
-                                                        'EXECUTE WITH GRANT OPTION'))
-        LOOP
-            IF NOT given.by_owner THEN
-                EXECUTE pg_catalog.format('SET ROLE %s', given.grantor::pg_catalog.regrole);
-            END IF;
-            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) TO %s%s',
-                CASE WHEN given.grantee = 0 THEN 'PUBLIC' ELSE given.grantee::pg_catalog.regrole::pg_catalog.text END,
-                CASE WHEN given.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
-            EXECUTE 'SET ROLE ' || invoker;
-            done := done || (given.grantor::pg_catalog.text || '/' || given.grantee::pg_catalog.text);
-            carried := carried + 1;
-        END LOOP;
-        EXIT WHEN carried = 0;
-    END LOOP;
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text) OWNER TO %s', owner::pg_catalog.regrole);
+    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p WHERE p.oid = new_routine;
+    -- The old function's grants are copied as they are, each still made by the role that made it
+    -- (the owner's by the owner), so that who may revoke what stays as it was; no GRANT is run as
+    -- those roles. The roles they name depend on the new function as they did on the old one.
+    UPDATE pg_catalog.pg_proc p
+    SET proacl = (SELECT pg_catalog.array_agg(pg_catalog.makeaclitem(
+                             CASE a.grantee WHEN old_owner THEN owner ELSE a.grantee END,
+                             CASE a.grantor WHEN old_owner THEN owner ELSE a.grantor END,
+                             a.privilege_type, a.is_grantable))
+                  FROM pg_catalog.pg_proc o, pg_catalog.aclexplode(o.proacl) a
+                  WHERE o.oid = old_routine)
+    WHERE p.oid = new_routine
+      AND (SELECT o.proacl FROM pg_catalog.pg_proc o WHERE o.oid = old_routine) IS NOT NULL;
+    INSERT INTO pg_catalog.pg_shdepend (dbid, classid, objid, objsubid, refclassid, refobjid, deptype)
+    SELECT d.dbid, d.classid, new_routine, d.objsubid, d.refclassid, d.refobjid, d.deptype
+    FROM pg_catalog.pg_shdepend d
+    WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND d.objid = old_routine AND d.deptype = 'a'
+      AND d.dbid = (SELECT b.oid FROM pg_catalog.pg_database b WHERE b.datname = pg_catalog.current_database())
+      AND d.refobjid <> owner AND d.refobjid <> old_owner;
     -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
     -- leaves out: record the function's privileges as a fresh install has them, so that the
     -- operators' grants stay theirs and are dumped.
     UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
-    WHERE objoid = 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure
-      AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+    WHERE objoid = new_routine AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
 END
 $carry$;
 DROP FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text);

@@ -96,9 +96,10 @@ SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_attempt', '
 -- Jobs deleted (by pruning, or by hand) or truncated take their attempts with them: a job id
 -- given out again (a TRUNCATE with RESTART IDENTITY, a sequence set back) must find none of the
 -- old job's attempts, or their error texts. Statement triggers: nothing on the paths that only
--- insert and update jobs.
+-- insert and update jobs. As the extension's owner, which owns the attempts: a role that may
+-- delete jobs need not be granted anything on them.
 CREATE FUNCTION durable_jobs.forget_durable_job_attempts() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $body$
 BEGIN

@@ -235,9 +235,12 @@ fn enqueue_as(client: &mut Client, sql: &str) -> i64 {
 /// Each reason from a real situation, with the background worker switched off (so that jobs of
 /// kinds it has handlers for stay where they are): a group's handler that does not serve its
 /// member, a handler the enqueuer may not execute, a paused queue, a full one, a job due later,
-/// a kind without a handler, a running job, a finished one. A stranger sees no reason. (Broken on
+/// a kind without a handler, a running job, a finished one, a lapsed lease in a paused queue. A
+/// stranger sees no reason, and the job's owner no name it may not read otherwise. (Broken on
 /// purpose, the registration's hold on the enqueuer's rights not asked: the member's job read
-/// handler_not_executable.)
+/// handler_not_executable. Failed before: a handler in a schema the caller has no USAGE on made
+/// the diagnosis raise 42501, and a lapsed lease in a paused queue read as taken at the next
+/// claim.)
 #[test]
 fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     let cluster = Cluster::start(PRELOADED);
@@ -258,6 +261,9 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
              SELECT durable_jobs.register_durable_job_handler('locked', 'public.locked(jsonb)');
              CREATE FUNCTION public.open(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
              SELECT durable_jobs.register_durable_job_handler('open', 'public.open(jsonb)');
+             CREATE SCHEMA hidden;
+             CREATE FUNCTION hidden.work(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('hidden_work', 'hidden.work(jsonb)');
              SELECT durable_jobs.pause_durable_job_queue('paused');
              SELECT durable_jobs.set_durable_job_queue_concurrency('narrow', 1);",
         )
@@ -274,6 +280,8 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     let members_job = enqueue_as(&mut member, "SELECT durable_jobs.enqueue_durable_job('group_work', '{}')");
     let mut producer = cluster.connect_as("app_producer");
     let locked = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('locked', '{}')");
+    // A handler in a schema the enqueuer has no USAGE on: explained, not a 42501 of the caller's.
+    let hidden = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('hidden_work', '{}')");
     let paused = enqueue_as(
         &mut producer,
         "SELECT durable_jobs.enqueue_durable_job('open', '{}', queue_name => 'paused')",
@@ -301,22 +309,35 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     assert_eq!(complete(&mut admin, &finished, "worker-1"), "succeeded");
 
     assert_eq!(reasons(&mut member, members_job), ["handler_does_not_serve_enqueuer", "ready"]);
-    assert!(detail(&mut member, members_job, "handler_does_not_serve_enqueuer")
-        .contains("registered by app_group"));
+    // Who registered a handler, which routine, who paused a queue and how many jobs run in it:
+    // told only to a caller that may read them anyway (the superuser here), not to a job's owner.
+    let told = |client: &mut Client, job_id: i64, reason: &str, words: &str| detail(client, job_id, reason).contains(words);
+    assert!(told(&mut member, members_job, "handler_does_not_serve_enqueuer", "registered by a role that holds none"));
+    assert!(told(&mut admin, members_job, "handler_does_not_serve_enqueuer", "registered by app_group, which"));
     assert_eq!(reasons(&mut producer, locked), ["handler_not_executable", "worker_off", "ready"]);
-    assert!(detail(&mut producer, locked, "handler_not_executable")
-        .contains("app_producer may not run the handler public.locked(jsonb)"));
-    assert!(detail(&mut producer, locked, "worker_off").contains("durable_jobs.worker_enabled is off"));
+    assert!(told(&mut producer, locked, "handler_not_executable", "app_producer may not run the handler of kind locked"));
+    assert!(told(&mut admin, locked, "handler_not_executable", "may not run the handler public.locked(jsonb)"));
+    assert!(told(&mut producer, locked, "worker_off", "durable_jobs.worker_enabled is off"));
+    assert_eq!(reasons(&mut producer, hidden), ["handler_not_executable", "worker_off", "ready"]);
     assert_eq!(reasons(&mut producer, paused), ["queue_paused", "worker_off"]);
-    assert!(detail(&mut producer, paused, "queue_paused").contains("queue paused is paused"));
+    assert_eq!(detail(&mut producer, paused, "queue_paused"), "queue paused is paused");
+    assert!(told(&mut admin, paused, "queue_paused", " by postgres"));
     assert_eq!(reasons(&mut producer, later), ["scheduled_later", "no_handler"]);
     assert_eq!(reasons(&mut producer, ready), ["no_handler", "ready"]);
     assert_eq!(reasons(&mut producer, narrow[1]), ["queue_at_concurrency_limit", "no_handler"]);
-    assert!(
-        detail(&mut producer, narrow[1], "queue_at_concurrency_limit").contains("queue narrow runs 1 jobs")
-    );
+    assert!(told(&mut admin, narrow[1], "queue_at_concurrency_limit", "queue narrow runs 1 jobs"));
+    assert!(told(&mut producer, narrow[1], "queue_at_concurrency_limit", "runs as many jobs as its concurrency limit"));
     assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
     assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));
+    // A lapsed lease in a paused queue waits for the queue, as an available job does.
+    let frozen = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'frozen')");
+    let lapsing = harness::claim_from(&mut admin, "worker-2", "frozen", 1).expect("the job of queue frozen");
+    assert_eq!(lapsing.job_id, frozen);
+    admin.batch_execute("SELECT durable_jobs.pause_durable_job_queue('frozen')").unwrap();
+    wait_until(Duration::from_secs(10), "the lease to lapse", || {
+        count(&mut admin, &format!("SELECT count(*) FROM durable_jobs.durable_job WHERE job_id = {frozen} AND lease_expires_at <= clock_timestamp()")) == 1
+    });
+    assert_eq!(reasons(&mut producer, frozen), ["running", "queue_paused"]);
     assert_eq!(reasons(&mut admin, done), ["finished"]);
     assert!(detail(&mut admin, done, "finished").starts_with("the job ended succeeded at "));
 
@@ -516,8 +537,9 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
 }
 
 /// A job this transaction leased to a sleeping worker at its enqueue, then cancelled before its
-/// commit, was never running to anyone else and never started: no attempt is recorded, and the
-/// audit says it was available. (Failed before: a cancelled attempt of the worker showed.)
+/// commit, was never running to anyone else and never started: no attempt is recorded or
+/// counted, and the audit says it was available. (Failed before: a cancelled attempt of the
+/// worker showed, then attempt_count 1.)
 #[test]
 fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.poll_interval = '10s'\n"));
@@ -549,9 +571,60 @@ fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
     });
     let job_id = leased.unwrap();
     assert_eq!(attempts(&mut client, job_id), vec![]);
+    let row: (i32, Option<String>) = client
+        .query_one("SELECT attempt_count, attempt_worker_id FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(row, (0, None), "no attempt counted either");
     let audited: String = client
         .query_one("SELECT previous_state FROM durable_jobs.durable_job_audit WHERE job_id = $1", &[&job_id])
         .unwrap()
         .get(0);
     assert_eq!(audited, "available");
+}
+
+/// A call rolled back to a savepoint (or in an exception block) counts nothing: its success
+/// never happened. (Failed before: `succeeded` and the histogram counted it, and counted the
+/// attempt again when it completed for real.)
+#[test]
+fn a_completion_rolled_back_to_a_savepoint_counts_nothing() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    client.batch_execute("SELECT durable_jobs.enqueue_durable_job('mail', '{}', queue_name => 'mail')").unwrap();
+    let mut txn = client.transaction().unwrap();
+    let row = txn.query_one("SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('w')", &[]).unwrap();
+    let job = Claimed { job_id: row.get(0), lease_token: row.get(1), attempt_count: 1 };
+    let mut savepoint = txn.transaction().unwrap();
+    assert_eq!(complete(&mut savepoint, &job, "w"), "succeeded");
+    savepoint.rollback().unwrap();
+    txn.commit().unwrap();
+    let counted = |client: &mut Client| (harness::metric(client, "succeeded"), harness::metric(client, "sql_api_claimed"));
+    assert_eq!(counted(&mut client), (0, 1), "the claim counts, the rolled-back completion does not");
+    assert!(!prometheus(&mut client).contains("durable_jobs_job_run_seconds_count{queue=\"mail\"}"));
+    assert_eq!(complete(&mut client, &job, "w"), "succeeded");
+    assert_eq!(counted(&mut client), (1, 1));
+    assert!(prometheus(&mut client).lines().any(|l| l == "durable_jobs_job_run_seconds_count{queue=\"mail\"} 1"));
+}
+
+/// A queue's histograms are its database's: another database's queue of the same name is not
+/// merged in, and none of another database's queues shows. (Failed before: the slots were keyed
+/// by name only, for the whole server.)
+#[test]
+fn queue_histograms_are_per_database() {
+    let cluster = Cluster::start(PRELOADED);
+    let mut client = cluster.connect();
+    client.batch_execute("CREATE DATABASE other").unwrap();
+    let mut other = cluster.connect_to("other");
+    other.batch_execute("CREATE EXTENSION durable_jobs").unwrap();
+    for (db, queues) in [(&mut other, ["shared", "only_there"]), (&mut client, ["shared", "only_here"])] {
+        for queue in queues {
+            db.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => $1)", &[&queue]).unwrap();
+            let job = harness::claim_from(db, "w", queue, 60).unwrap();
+            assert_eq!(complete(db, &job, "w"), "succeeded");
+        }
+    }
+    let text = prometheus(&mut client);
+    assert!(text.lines().any(|l| l == "durable_jobs_job_run_seconds_count{queue=\"shared\"} 1"), "{text}");
+    assert!(text.contains("queue=\"only_here\""));
+    assert!(!text.contains("queue=\"only_there\""), "{text}");
 }

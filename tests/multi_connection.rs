@@ -379,9 +379,9 @@ fn intake_switch_stops_enqueue_but_not_claims() {
         "SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 2}', 'key-1')",
         "SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{\"n\": 1}', '{\"n\": 3}']::jsonb[], ARRAY['key-1', 'key-3'])",
     ] {
-        // 57P03 since 0.6.0 (55000 before, which a gateway could not tell from a wrong state).
+        // 25006 since 0.6.0 (55000 before, which a gateway could not tell from a wrong state).
         let error = client.batch_execute(refused).expect_err("intake is off");
-        assert_eq!(sqlstate(&error), "57P03", "{refused}");
+        assert_eq!(sqlstate(&error), "25006", "{refused}");
     }
     // Producers retry enqueues after timeouts: the key's own job comes back, nothing is taken in.
     let again: i64 = client

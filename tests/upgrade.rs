@@ -752,8 +752,9 @@ fn a_call_that_waits_for_an_update_runs_against_the_schema_the_update_left() {
 
 /// The grants on fail_durable_job, whose arguments 0.6.0 changed, are carried over by the roles
 /// that made them, both ways: a grant made with another's grant option stays that role's to
-/// revoke, and goes with a CASCADE revoke of the option. (Failed before: every carried grant was
-/// made by the extension's owner, so the chain w1 -> w2 was lost.)
+/// revoke, and goes with a CASCADE revoke of the option; the roles named still cannot be dropped
+/// while they hold them. (Failed before: every carried grant was made by the extension's owner,
+/// so the chain w1 -> w2 was lost.)
 #[test]
 fn the_grants_on_fail_durable_job_keep_their_grantors_through_the_update_and_back() {
     let cluster = Cluster::start_without_extension("");
@@ -787,11 +788,29 @@ fn the_grants_on_fail_durable_job_keep_their_grantors_through_the_update_and_bac
     };
     let expected = ["w1 by postgres with option", "w2 by w1"];
     assert_eq!(grants(&mut admin, "bigint, text, uuid, text"), expected);
-    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").unwrap();
+    // The grantor has lost USAGE on the schema since, and the update is run by an administrator
+    // who logged in as itself and became a superuser with SET ROLE: neither stops it, and the
+    // session's role is as the administrator left it. (Failed when the grants were made again
+    // as their grantors, with SET ROLE: "permission denied to set role", "permission denied for
+    // schema", and the script's role left set in the session.)
+    admin
+        .batch_execute(
+            "REVOKE USAGE ON SCHEMA durable_jobs FROM w1;
+             CREATE ROLE dba SUPERUSER NOLOGIN;  CREATE ROLE dave LOGIN;  GRANT dba TO dave;",
+        )
+        .unwrap();
+    let mut dave = cluster.connect_as("dave");
+    dave.batch_execute("SET ROLE dba").unwrap();
+    dave.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").expect("the update");
+    let role: String = dave.query_one("SELECT current_setting('role')", &[]).unwrap().get(0);
+    assert_eq!(role, "dba");
     assert_eq!(grants(&mut admin, "bigint, text, uuid, text, text"), expected);
-    admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").unwrap();
+    dave.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").expect("the downgrade");
     assert_eq!(grants(&mut admin, "bigint, text, uuid, text"), expected);
     admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").unwrap();
+    admin.batch_execute("REVOKE USAGE ON SCHEMA durable_jobs FROM w2").unwrap();
+    let dropped = admin.batch_execute("DROP ROLE w2").unwrap_err();
+    assert_eq!(harness::sqlstate(&dropped), "2BP01", "w2's grant depends on it");
     admin
         .batch_execute("REVOKE EXECUTE ON FUNCTION durable_jobs.fail_durable_job(bigint, text, uuid, text, text) FROM w1 CASCADE")
         .unwrap();

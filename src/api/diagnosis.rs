@@ -1,5 +1,8 @@
 //! diagnose_durable_job: why a job is where it is, as every reason that holds now, each a stable
-//! word with a sentence for people. Visible as `get_durable_job` shows the job.
+//! word with a sentence for people. Visible as `get_durable_job` shows the job. The sentences
+//! name other roles, routines and other roles' jobs only to a caller that may read them anyway:
+//! one that sees every job, or may read the view that shows them (queue controls, handlers,
+//! the queue summary).
 
 use crate::api::status::sees_all_jobs;
 use crate::jobs::arguments;
@@ -25,7 +28,10 @@ const JOB_AND_SURROUNDINGS: &str = concat!(
            h.handler, h.registered_by::pg_catalog.text,
            (SELECT p.proowner::pg_catalog.regrole::pg_catalog.text FROM pg_catalog.pg_proc p
             WHERE p.oid = pg_catalog.to_regprocedure(h.handler)),
-           pg_catalog.current_database()::pg_catalog.text
+           pg_catalog.current_database()::pg_catalog.text,
+           $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_queue_controls', 'SELECT'),
+           $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_handlers', 'SELECT'),
+           $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_queue_summary', 'SELECT')
     FROM durable_jobs.durable_job j
     LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
@@ -56,15 +62,21 @@ struct Job {
     registered_by: Option<String>,
     handler_owner: Option<String>,
     database: String,
+    /// The caller may read who controls queues, who registered handlers, how many jobs run.
+    reads_controls: bool,
+    reads_handlers: bool,
+    reads_summary: bool,
 }
 
 type Reason = (&'static str, String);
 
-fn read_job(job_id: i64) -> Option<Job> {
+/// The reasons, worked out as the extension owner: resolving a handler asks for USAGE on its
+/// schema, which the caller need not have.
+fn reasons_for(job_id: i64) -> Vec<Reason> {
     let caller = caller();
     as_extension_owner_of(|installed| {
         let sees_all = sees_all_jobs(&caller, installed.owner);
-        Spi::connect_mut(|client| {
+        let job = Spi::connect_mut(|client| {
             let args = [job_id.into(), sees_all.into(), caller.role_oid.into()];
             let rows = plans::execute(client, JOB_AND_SURROUNDINGS, &args);
             rows.into_iter().next().map(|row| Job {
@@ -89,13 +101,21 @@ fn read_job(job_id: i64) -> Option<Job> {
                 registered_by: row.get(19).unwrap(),
                 handler_owner: row.get(20).unwrap(),
                 database: row.get(21).unwrap().expect("current_database"),
+                reads_controls: row.get(22).unwrap().unwrap_or(false),
+                reads_handlers: row.get(23).unwrap().unwrap_or(false),
+                reads_summary: row.get(24).unwrap().unwrap_or(false),
             })
-        })
+        });
+        job.map(|job| diagnose(&job)).unwrap_or_default()
     })
 }
 
-/// Why the background workers run no job of this database now, if they do not.
+/// Why the background workers run no job of this database now, if they do not. Nothing on a
+/// standby: the primary's workers run its jobs.
 fn why_no_worker_runs(database: &str) -> Option<String> {
+    if unsafe { pgrx::pg_sys::RecoveryInProgress() } {
+        return None;
+    }
     if !wakeup::preloaded() {
         return Some("durable_jobs is not in shared_preload_libraries: no background worker runs".into());
     }
@@ -123,23 +143,32 @@ fn why_no_worker_runs(database: &str) -> Option<String> {
 /// Why the background workers do not run a pending job of a kind they have a handler for.
 fn handler_reasons(job: &Job, handler: &str, registered_by: &str, reasons: &mut Vec<Reason>) {
     if !registration_serves(registered_by, &job.enqueuer) {
+        let by = match job.reads_handlers {
+            true => format!("{registered_by}, which"),
+            false => "a role that".to_string(),
+        };
         reasons.push((
             "handler_does_not_serve_enqueuer",
             format!(
-                "the handler of kind {} was registered by {registered_by}, which holds none of the rights of {}, the \
-                 job's enqueuer: the background workers leave the job to external workers",
+                "the handler of kind {} was registered by {by} holds none of the rights of {}, the job's enqueuer: \
+                 the background workers leave the job to external workers",
                 job.kind, job.enqueuer
             ),
         ));
         return;
     }
     if runnable_handler(handler, &job.enqueuer, registered_by).is_none() {
-        let why = match &job.handler_owner {
-            None => format!("the handler {handler} does not exist"),
-            Some(owner) => format!(
+        let why = match (&job.handler_owner, job.reads_handlers) {
+            (None, true) => format!("the handler {handler} does not exist"),
+            (Some(owner), true) => format!(
                 "{} may not run the handler {handler}: it may not execute it, or its owner {owner} holds none \
                  of its rights",
                 job.enqueuer
+            ),
+            (_, false) => format!(
+                "{} may not run the handler of kind {}: it is gone, {} may not execute it, or its owner holds \
+                 none of its rights",
+                job.enqueuer, job.kind, job.enqueuer
             ),
         };
         reasons.push((
@@ -170,7 +199,8 @@ fn diagnose(job: &Job) -> Vec<Reason> {
                 )
             } else if job.attempts < job.max_attempts {
                 format!(
-                    "attempt {} lost its lease (worker {owner}) at {until}: the next claim takes the job again",
+                    "attempt {} lost its lease (worker {owner}) at {until}: a claim takes the job again when its \
+                     queue lets it",
                     job.attempts
                 )
             } else {
@@ -180,6 +210,11 @@ fn diagnose(job: &Job) -> Vec<Reason> {
                 )
             };
             reasons.push(("running", detail));
+            // A lapsed lease waits for its queue as an available job does.
+            if job.lease_live == Some(true) || job.attempts >= job.max_attempts {
+                return reasons;
+            }
+            queue_reasons(job, &mut reasons);
             return reasons;
         }
         _ => {}
@@ -192,29 +227,7 @@ fn diagnose(job: &Job) -> Vec<Reason> {
         };
         reasons.push(("scheduled_later", format!("the job is due at {}{retry}", job.run_after)));
     }
-    if job.paused {
-        reasons.push((
-            "queue_paused",
-            format!(
-                "queue {} is paused, since {} by {}",
-                job.queue,
-                job.paused_at.as_deref().unwrap_or_default(),
-                job.paused_by.as_deref().unwrap_or_default()
-            ),
-        ));
-    }
-    let full =
-        matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
-    if full {
-        reasons.push((
-            "queue_at_concurrency_limit",
-            format!(
-                "queue {} runs {} jobs, its concurrency limit",
-                job.queue,
-                job.running.unwrap_or_default()
-            ),
-        ));
-    }
+    let open = queue_reasons(job, &mut reasons);
     match (&job.handler, &job.registered_by) {
         (Some(handler), Some(registered_by)) => handler_reasons(job, handler, registered_by, &mut reasons),
         _ => reasons.push((
@@ -225,7 +238,7 @@ fn diagnose(job: &Job) -> Vec<Reason> {
             ),
         )),
     }
-    if !job.due_later && !job.paused && !full {
+    if !job.due_later && open {
         reasons.push((
             "ready",
             format!(
@@ -237,12 +250,36 @@ fn diagnose(job: &Job) -> Vec<Reason> {
     reasons
 }
 
+/// The reasons the job's queue gives (paused, full); whether it admits a claim now.
+fn queue_reasons(job: &Job, reasons: &mut Vec<Reason>) -> bool {
+    if job.paused {
+        let since = match job.reads_controls {
+            true => format!(
+                ", since {} by {}",
+                job.paused_at.as_deref().unwrap_or_default(),
+                job.paused_by.as_deref().unwrap_or_default()
+            ),
+            false => String::new(),
+        };
+        reasons.push(("queue_paused", format!("queue {} is paused{since}", job.queue)));
+    }
+    let full = matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
+    if full {
+        let detail = match job.reads_summary {
+            true => format!("queue {} runs {} jobs, its concurrency limit", job.queue, job.running.unwrap_or_default()),
+            false => format!("queue {} runs as many jobs as its concurrency limit", job.queue),
+        };
+        reasons.push(("queue_at_concurrency_limit", detail));
+    }
+    !job.paused && !full
+}
+
 #[pg_extern(volatile, parallel_unsafe, requires = ["status"])]
 #[search_path(pg_catalog, pg_temp)]
 fn diagnose_durable_job(
     job_id: Option<i64>,
 ) -> TableIterator<'static, (name!(reason, String), name!(detail, String))> {
     let job_id = arguments::required(job_id, "job_id");
-    let reasons = read_job(job_id).map(|job| diagnose(&job)).unwrap_or_default();
+    let reasons = reasons_for(job_id);
     TableIterator::new(reasons.into_iter().map(|(reason, detail)| (reason.to_string(), detail)))
 }

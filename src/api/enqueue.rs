@@ -275,13 +275,14 @@ fn key_used_by_another_job() -> ! {
     );
 }
 
-/// 57P03 (cannot_connect_now: the server takes no new work now, as while it starts or stops)
+/// 25006 (read_only_sql_transaction: the queue takes no new jobs, as a read-only server takes no
+/// writes; not 57P03, on which connection pools drop the connection)
 /// while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
 pub fn require_intake_enabled() {
     if !crate::pg::settings::INTAKE_ENABLED.get() {
         ereport!(
             ERROR,
-            PgSqlErrorCode::ERRCODE_CANNOT_CONNECT_NOW,
+            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             "job intake is disabled (durable_jobs.intake_enabled = off)"
         );
     }

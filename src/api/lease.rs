@@ -217,20 +217,22 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             };
             // A job this transaction leased at its enqueue was never running to anyone else, and
             // no worker started it: cancelled as the available job it is, with no attempt.
-            let state = match state.as_deref() {
-                Some("running") if crate::jobs::direct_lease::leased_job() == Some(job_id) => {
-                    Some("available".to_string())
-                }
-                _ => state,
-            };
+            let never_started =
+                state.as_deref() == Some("running") && crate::jobs::direct_lease::leased_job() == Some(job_id);
+            let state = if never_started { Some("available".to_string()) } else { state };
             let cancelled = if installed.has_status_api {
-                let args = [
+                let mut args: Vec<DatumWithOid> = vec![
                     job_id.into(),
                     caller.role_name.as_str().into(),
                     state.as_deref().into(),
                     failure_code.as_deref().into(),
                 ];
-                let statement = if installed.has_attempt_history { CANCEL } else { CANCEL_WITHOUT_HISTORY };
+                let statement = if installed.has_attempt_history {
+                    args.push(never_started.into());
+                    CANCEL
+                } else {
+                    CANCEL_WITHOUT_HISTORY
+                };
                 plans::execute(client, statement, &args)
             } else {
                 plans::execute(client, CANCEL_ON_OLD_SCHEMA, &[job_id.into()])

@@ -72,6 +72,13 @@ macro_rules! attempt_history {
             ")"
         )
     };
+    // CANCEL's SET: a job this transaction leased at its enqueue ($5) loses the attempt no one
+    // made.
+    (cancelled_set) => {
+        "attempt_count = CASE WHEN $5 THEN attempt_count - 1 ELSE attempt_count END,
+                attempt_started_at = CASE WHEN $5 THEN NULL ELSE attempt_started_at END,
+                attempt_worker_id = CASE WHEN $5 THEN NULL ELSE attempt_worker_id END, "
+    };
     (cancelled_returning) => {
         ", attempt_count, attempt_worker_id, attempt_started_at"
     };

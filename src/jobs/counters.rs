@@ -158,29 +158,58 @@ impl Tally {
     }
 }
 
+/// One SQL API call's count, with the subtransaction it was made in.
+struct PendingCall {
+    subtransaction: pg_sys::SubTransactionId,
+    counter: Counter,
+    observation: Option<Observation>,
+}
+
 thread_local! {
     /// What the SQL API's calls of the current transaction count once it commits.
-    static AT_COMMIT: RefCell<Option<Tally>> = const { RefCell::new(None) };
+    static AT_COMMIT: RefCell<Option<Vec<PendingCall>>> = const { RefCell::new(None) };
+    static SUBTRANSACTION_CALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Counts `counter` and its SQL API share, and observes the attempt, when the current
-/// transaction commits (never, if it rolls back or is prepared).
+/// transaction commits (never, if it rolls back or is prepared, or if the subtransaction the
+/// call was made in rolls back: ROLLBACK TO SAVEPOINT, an exception block).
 pub fn count_sql_api_call_at_commit(counter: Counter, observation: Option<Observation>) {
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return;
     }
+    if !SUBTRANSACTION_CALLBACK.replace(true) {
+        unsafe { pg_sys::RegisterSubXactCallback(Some(subtransaction_event), std::ptr::null_mut()) };
+    }
+    let subtransaction = unsafe { pg_sys::GetCurrentSubTransactionId() };
     AT_COMMIT.with(|pending| {
-        let mut pending = pending.borrow_mut();
-        let tally = pending.get_or_insert_with(|| {
-            at_commit_or_forget(publish_at_commit, forget_at_end);
-            Tally::default()
-        });
-        tally.count(counter);
-        if let Some(share) = counter.sql_api_share() {
-            tally.count(share);
-        }
-        tally.observe(observation);
+        pending
+            .borrow_mut()
+            .get_or_insert_with(|| {
+                at_commit_or_forget(publish_at_commit, forget_at_end);
+                Vec::new()
+            })
+            .push(PendingCall { subtransaction, counter, observation });
     });
+}
+
+/// A subtransaction that rolls back takes the calls counted in it, and in the subtransactions
+/// inside it, along: those have ids from its own on (ids only grow within a transaction, and no
+/// later sibling has begun while it is open).
+#[pg_guard]
+unsafe extern "C-unwind" fn subtransaction_event(
+    event: pg_sys::SubXactEvent::Type,
+    subtransaction: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _argument: *mut std::ffi::c_void,
+) {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        AT_COMMIT.with(|pending| {
+            if let Some(calls) = pending.borrow_mut().as_mut() {
+                calls.retain(|call| call.subtransaction < subtransaction);
+            }
+        });
+    }
 }
 
 fn forget_at_end() {
@@ -188,9 +217,18 @@ fn forget_at_end() {
 }
 
 fn publish_at_commit() {
-    if let Some(tally) = AT_COMMIT.with(|pending| pending.borrow_mut().take()) {
-        tally.publish();
+    let Some(calls) = AT_COMMIT.with(|pending| pending.borrow_mut().take()) else {
+        return;
+    };
+    let mut tally = Tally::default();
+    for call in calls {
+        tally.count(call.counter);
+        if let Some(share) = call.counter.sql_api_share() {
+            tally.count(share);
+        }
+        tally.observe(call.observation);
     }
+    tally.publish();
 }
 
 pub fn counter_value(counter: Counter) -> i64 {

@@ -387,21 +387,27 @@ fn forget() {
 // transaction may have cancelled it meanwhile. Operators qualified: the caller's search_path is
 // back in force at commit.
 macro_rules! make_available {
-    ($state_version:literal) => {
+    ($state_version:literal, $attempt:literal) => {
         concat!(
             "
     UPDATE durable_jobs.durable_job
     SET job_state = 'available', lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
         attempt_count = 0, ",
             $state_version,
+            $attempt,
             "updated_at = pg_catalog.clock_timestamp()
     WHERE job_id OPERATOR(pg_catalog.=) $1 AND lease_token OPERATOR(pg_catalog.=) $2
     RETURNING job_id"
         )
     };
 }
-const MAKE_AVAILABLE: &str = make_available!("state_version = state_version OPERATOR(pg_catalog.+) 1, ");
-const MAKE_AVAILABLE_ON_OLD_SCHEMA: &str = make_available!("");
+const MAKE_AVAILABLE: &str = make_available!(
+    "state_version = state_version OPERATOR(pg_catalog.+) 1, ",
+    "attempt_started_at = NULL, attempt_worker_id = NULL, "
+);
+const MAKE_AVAILABLE_WITHOUT_HISTORY: &str =
+    make_available!("state_version = state_version OPERATOR(pg_catalog.+) 1, ", "");
+const MAKE_AVAILABLE_ON_OLD_SCHEMA: &str = make_available!("", "");
 
 /// In a pre-commit callback: as the extension owner, under our search_path, with a snapshot of
 /// its own (no statement's is active), and past a `SET TRANSACTION READ ONLY` that came after
@@ -422,8 +428,11 @@ fn make_available((job_id, lease_token): (i64, Uuid)) {
         set_at_this_level(c"search_path", c"pg_catalog, pg_temp");
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
         as_extension_owner_found(&installed, |installed| {
-            let statement =
-                if installed.has_status_api { MAKE_AVAILABLE } else { MAKE_AVAILABLE_ON_OLD_SCHEMA };
+            let statement = match (installed.has_attempt_history, installed.has_status_api) {
+                (true, _) => MAKE_AVAILABLE,
+                (false, true) => MAKE_AVAILABLE_WITHOUT_HISTORY,
+                (false, false) => MAKE_AVAILABLE_ON_OLD_SCHEMA,
+            };
             Spi::connect_mut(|client| {
                 plans::execute(client, statement, &[job_id.into(), lease_token.into()]);
             })

@@ -2,8 +2,9 @@
 //! (from its `run_after` to its attempt's claim) and how long the attempt ran (from the claim to
 //! its completion or failure), observed when the attempt completes or fails, by the background
 //! workers and through the SQL API alike, once the transaction that ended it has committed
-//! (`counters::Tally`). `QUEUE_SLOTS` queues get histograms of their own, the first ones seen since
-//! the server started; the others share one.
+//! (`counters::Tally`). `QUEUE_SLOTS` queues, of any database, get histograms of their own, the
+//! first ones seen since the server started; the others share one. A queue is its database's:
+//! each database reads its own.
 
 use crate::pg::shared_words::{load_name, store_name};
 use pgrx::prelude::*;
@@ -69,6 +70,7 @@ const READY: u32 = 2;
 #[derive(Default)]
 struct QueueSlot {
     state: AtomicU32,
+    database: AtomicU32,
     name: [AtomicU64; NAME_WORDS],
     wait: Histogram,
     run: Histogram,
@@ -96,8 +98,15 @@ pub fn init_shared_memory() {
 }
 
 thread_local! {
-    /// The slot of each queue this process has observed (a slot keeps its queue until restart).
+    /// The slot of each queue this process has observed (a slot keeps its queue until restart;
+    /// a process works in one database), forgotten when it grows past `SLOT_CACHE_LIMIT`.
     static SLOT_OF: RefCell<HashMap<String, usize>> = RefCell::new(HashMap::new());
+}
+
+const SLOT_CACHE_LIMIT: usize = 4 * QUEUE_SLOTS;
+
+fn this_database() -> u32 {
+    u32::from(unsafe { pg_sys::MyDatabaseId })
 }
 
 /// One attempt's wait and run time, in microseconds, in its queue.
@@ -124,15 +133,20 @@ fn slot_of(queue: &str) -> usize {
         return slot;
     }
     let slots = &HISTOGRAMS.get().0[..QUEUE_SLOTS];
-    let named =
-        |slot: &QueueSlot| slot.state.load(Ordering::Acquire) == READY && load_name(&slot.name) == queue;
+    let database = this_database();
+    let named = |slot: &QueueSlot| {
+        slot.state.load(Ordering::Acquire) == READY
+            && slot.database.load(Ordering::Relaxed) == database
+            && load_name(&slot.name) == queue
+    };
     let found = slots.iter().position(named).or_else(|| {
         (queue.len() <= NAME_WORDS * 8)
             .then(|| {
                 slots.iter().position(|slot| {
                     slot.state.compare_exchange(EMPTY, CLAIMING, Ordering::Acquire, Ordering::Relaxed).is_ok()
                         && {
-                            store_name(&slot.name, queue);
+                            slot.database.store(database, Ordering::Relaxed);
+                        store_name(&slot.name, queue);
                             slot.state.store(READY, Ordering::Release);
                             true
                         }
@@ -141,18 +155,29 @@ fn slot_of(queue: &str) -> usize {
             .flatten()
     });
     let slot = found.unwrap_or(QUEUE_SLOTS);
-    SLOT_OF.with(|slots| slots.borrow_mut().insert(queue.to_string(), slot));
+    SLOT_OF.with(|slots| {
+        let mut slots = slots.borrow_mut();
+        if slots.len() >= SLOT_CACHE_LIMIT {
+            slots.clear();
+        }
+        slots.insert(queue.to_string(), slot);
+    });
     slot
 }
 
-/// Every queue's histograms (wait, run), by name, then those the other queues share.
+/// This database's queues' histograms (wait, run), by name, then those the other queues (of any
+/// database) share.
 pub fn read_all() -> (Vec<(String, HistogramValues, HistogramValues)>, HistogramValues, HistogramValues) {
     let mut queues: Vec<(String, HistogramValues, HistogramValues)> = Vec::new();
     if !SHARED_MEMORY.load(Ordering::Relaxed) {
         return (queues, HistogramValues::default(), HistogramValues::default());
     }
     let all = &HISTOGRAMS.get().0;
-    for slot in all[..QUEUE_SLOTS].iter().filter(|slot| slot.state.load(Ordering::Acquire) == READY) {
+    let database = this_database();
+    let ours = |slot: &&QueueSlot| {
+        slot.state.load(Ordering::Acquire) == READY && slot.database.load(Ordering::Relaxed) == database
+    };
+    for slot in all[..QUEUE_SLOTS].iter().filter(ours) {
         let name = load_name(&slot.name);
         let (wait, run) = (slot.wait.read(), slot.run.read());
         match queues.iter_mut().find(|(queue, ..)| *queue == name) {

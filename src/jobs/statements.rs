@@ -482,12 +482,13 @@ macro_rules! cancel_statement {
 }
 
 // The cancellation and its audit row in one statement (and with `$history` the attempt it
-// ended); $2: the caller, $3, $4: the job's state and last failure code before.
+// ended); $2: the caller, $3, $4: the job's state and last failure code before; with `$history`,
+// $5: the job is this transaction's direct lease, never started.
 macro_rules! cancel_with_audit {
     ($history:ident) => {
         concat!(
             "WITH cancelled AS (",
-            cancel_statement!(new_state_version!(), $history!(cancelled_returning)),
+            cancel_statement!(concat!(new_state_version!(), $history!(cancelled_set)), $history!(cancelled_returning)),
             ")",
             $history!(cancelled),
             "
