@@ -311,12 +311,34 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     assert_eq!(reasons(&mut member, members_job), ["handler_does_not_serve_enqueuer", "ready"]);
     // Who registered a handler, which routine, who paused a queue and how many jobs run in it:
     // told only to a caller that may read them anyway (the superuser here), not to a job's owner.
-    let told = |client: &mut Client, job_id: i64, reason: &str, words: &str| detail(client, job_id, reason).contains(words);
-    assert!(told(&mut member, members_job, "handler_does_not_serve_enqueuer", "registered by a role that holds none"));
-    assert!(told(&mut admin, members_job, "handler_does_not_serve_enqueuer", "registered by app_group, which"));
+    let told = |client: &mut Client, job_id: i64, reason: &str, words: &str| {
+        detail(client, job_id, reason).contains(words)
+    };
+    assert!(told(
+        &mut member,
+        members_job,
+        "handler_does_not_serve_enqueuer",
+        "registered by a role that holds none"
+    ));
+    assert!(told(
+        &mut admin,
+        members_job,
+        "handler_does_not_serve_enqueuer",
+        "registered by app_group, which"
+    ));
     assert_eq!(reasons(&mut producer, locked), ["handler_not_executable", "worker_off", "ready"]);
-    assert!(told(&mut producer, locked, "handler_not_executable", "app_producer may not run the handler of kind locked"));
-    assert!(told(&mut admin, locked, "handler_not_executable", "may not run the handler public.locked(jsonb)"));
+    assert!(told(
+        &mut producer,
+        locked,
+        "handler_not_executable",
+        "app_producer may not run the handler of kind locked"
+    ));
+    assert!(told(
+        &mut admin,
+        locked,
+        "handler_not_executable",
+        "may not run the handler public.locked(jsonb)"
+    ));
     assert!(told(&mut producer, locked, "worker_off", "durable_jobs.worker_enabled is off"));
     assert_eq!(reasons(&mut producer, hidden), ["handler_not_executable", "worker_off", "ready"]);
     assert_eq!(reasons(&mut producer, paused), ["queue_paused", "worker_off"]);
@@ -326,11 +348,19 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
     assert_eq!(reasons(&mut producer, ready), ["no_handler", "ready"]);
     assert_eq!(reasons(&mut producer, narrow[1]), ["queue_at_concurrency_limit", "no_handler"]);
     assert!(told(&mut admin, narrow[1], "queue_at_concurrency_limit", "queue narrow runs 1 jobs"));
-    assert!(told(&mut producer, narrow[1], "queue_at_concurrency_limit", "runs as many jobs as its concurrency limit"));
+    assert!(told(
+        &mut producer,
+        narrow[1],
+        "queue_at_concurrency_limit",
+        "runs as many jobs as its concurrency limit"
+    ));
     assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
     assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));
     // A lapsed lease in a paused queue waits for the queue, as an available job does.
-    let frozen = enqueue_as(&mut producer, "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'frozen')");
+    let frozen = enqueue_as(
+        &mut producer,
+        "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'frozen')",
+    );
     let lapsing = harness::claim_from(&mut admin, "worker-2", "frozen", 1).expect("the job of queue frozen");
     assert_eq!(lapsing.job_id, frozen);
     admin.batch_execute("SELECT durable_jobs.pause_durable_job_queue('frozen')").unwrap();
@@ -354,12 +384,7 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
 fn a_job_the_running_worker_will_take_gives_no_worker_off() {
     let cluster = Cluster::start(WORKER_CONF);
     let mut client = cluster.connect();
-    client
-        .batch_execute(
-            "CREATE FUNCTION public.open(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
-             SELECT durable_jobs.register_durable_job_handler('open', 'public.open(jsonb)');",
-        )
-        .unwrap();
+    register_no_op(&mut client, "open");
     wait_until(Duration::from_secs(30), "a background worker to run", || {
         count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'durable_jobs worker'")
             > 0
@@ -504,7 +529,8 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
              SELECT setval('durable_jobs.durable_job_job_id_seq', 1, false);",
         )
         .unwrap();
-    let new: i64 = client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
+    let new: i64 =
+        client.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}')", &[]).unwrap().get(0);
     assert_eq!(new, old, "the id came again");
     assert_eq!(count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job_attempt"), 0);
 
@@ -544,26 +570,25 @@ fn attempts_left_by_a_job_whose_id_comes_again_neither_show_nor_fail_a_claim() {
 fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
     let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.poll_interval = '10s'\n"));
     let mut client = cluster.connect();
-    client
-        .batch_execute(
-            "CREATE FUNCTION public.ok(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
-             SELECT durable_jobs.register_durable_job_handler('ok', 'public.ok(jsonb)');",
-        )
-        .unwrap();
+    register_no_op(&mut client, "ok");
     // Enqueued while the worker sleeps, the job is leased to it at once (seen running in the
     // transaction); a try that finds the worker awake rolls back and tries again.
     let mut leased = None;
     wait_until(Duration::from_secs(30), "an enqueue leased to the sleeping worker", || {
         harness::wait_for_the_workers_sleep(&mut client);
         let mut txn = client.transaction().unwrap();
-        let job_id: i64 = txn.query_one("SELECT durable_jobs.enqueue_durable_job('ok', '{}')", &[]).unwrap().get(0);
-        let state: String =
-            txn.query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id]).unwrap().get(0);
+        let job_id: i64 =
+            txn.query_one("SELECT durable_jobs.enqueue_durable_job('ok', '{}')", &[]).unwrap().get(0);
+        let state: String = txn
+            .query_one("SELECT job_state FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+            .unwrap()
+            .get(0);
         if state != "running" {
             txn.rollback().unwrap();
             return false;
         }
-        let cancelled: bool = txn.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
+        let cancelled: bool =
+            txn.query_one("SELECT durable_jobs.cancel_durable_job($1)", &[&job_id]).unwrap().get(0);
         assert!(cancelled);
         txn.commit().unwrap();
         leased = Some(job_id);
@@ -572,7 +597,10 @@ fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
     let job_id = leased.unwrap();
     assert_eq!(attempts(&mut client, job_id), vec![]);
     let row: (i32, Option<String>) = client
-        .query_one("SELECT attempt_count, attempt_worker_id FROM durable_jobs.durable_job WHERE job_id = $1", &[&job_id])
+        .query_one(
+            "SELECT attempt_count, attempt_worker_id FROM durable_jobs.durable_job WHERE job_id = $1",
+            &[&job_id],
+        )
         .map(|r| (r.get(0), r.get(1)))
         .unwrap();
     assert_eq!(row, (0, None), "no attempt counted either");
@@ -590,20 +618,28 @@ fn a_job_leased_at_enqueue_and_cancelled_in_its_transaction_has_no_attempt() {
 fn a_completion_rolled_back_to_a_savepoint_counts_nothing() {
     let cluster = Cluster::start(PRELOADED);
     let mut client = cluster.connect();
-    client.batch_execute("SELECT durable_jobs.enqueue_durable_job('mail', '{}', queue_name => 'mail')").unwrap();
+    client
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('mail', '{}', queue_name => 'mail')")
+        .unwrap();
     let mut txn = client.transaction().unwrap();
-    let row = txn.query_one("SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('w')", &[]).unwrap();
+    let row = txn
+        .query_one("SELECT job_id, lease_token::text FROM durable_jobs.claim_next_durable_job('w')", &[])
+        .unwrap();
     let job = Claimed { job_id: row.get(0), lease_token: row.get(1), attempt_count: 1 };
     let mut savepoint = txn.transaction().unwrap();
     assert_eq!(complete(&mut savepoint, &job, "w"), "succeeded");
     savepoint.rollback().unwrap();
     txn.commit().unwrap();
-    let counted = |client: &mut Client| (harness::metric(client, "succeeded"), harness::metric(client, "sql_api_claimed"));
+    let counted = |client: &mut Client| {
+        (harness::metric(client, "succeeded"), harness::metric(client, "sql_api_claimed"))
+    };
     assert_eq!(counted(&mut client), (0, 1), "the claim counts, the rolled-back completion does not");
     assert!(!prometheus(&mut client).contains("durable_jobs_job_run_seconds_count{queue=\"mail\"}"));
     assert_eq!(complete(&mut client, &job, "w"), "succeeded");
     assert_eq!(counted(&mut client), (1, 1));
-    assert!(prometheus(&mut client).lines().any(|l| l == "durable_jobs_job_run_seconds_count{queue=\"mail\"} 1"));
+    assert!(prometheus(&mut client)
+        .lines()
+        .any(|l| l == "durable_jobs_job_run_seconds_count{queue=\"mail\"} 1"));
 }
 
 /// A queue's histograms are its database's: another database's queue of the same name is not
@@ -618,7 +654,8 @@ fn queue_histograms_are_per_database() {
     other.batch_execute("CREATE EXTENSION durable_jobs").unwrap();
     for (db, queues) in [(&mut other, ["shared", "only_there"]), (&mut client, ["shared", "only_here"])] {
         for queue in queues {
-            db.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => $1)", &[&queue]).unwrap();
+            db.query_one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => $1)", &[&queue])
+                .unwrap();
             let job = harness::claim_from(db, "w", queue, 60).unwrap();
             assert_eq!(complete(db, &job, "w"), "succeeded");
         }
@@ -627,4 +664,14 @@ fn queue_histograms_are_per_database() {
     assert!(text.lines().any(|l| l == "durable_jobs_job_run_seconds_count{queue=\"shared\"} 1"), "{text}");
     assert!(text.contains("queue=\"only_here\""));
     assert!(!text.contains("queue=\"only_there\""), "{text}");
+}
+
+/// A handler that does nothing, `public.<kind>(jsonb)`, registered for `kind`.
+fn register_no_op(client: &mut Client, kind: &str) {
+    client
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.{kind}(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
+             SELECT durable_jobs.register_durable_job_handler('{kind}', 'public.{kind}(jsonb)');"
+        ))
+        .unwrap();
 }

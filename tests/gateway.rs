@@ -3,10 +3,9 @@
 //! is the status the call gets; a job of another role gets the same answer as a missing one on
 //! every verb, and a repeated idempotent enqueue tells 200 from 201.
 
-use harness::{claim, complete, sqlstate, wait_until, Cluster};
+use harness::{claim, complete, sqlstate, Cluster};
 use postgres::{Client, Error};
 use std::collections::HashMap;
-use std::time::Duration;
 
 /// The page's error table: SQLSTATE to HTTP status, one status each.
 fn documented_statuses() -> HashMap<String, u16> {
@@ -174,16 +173,7 @@ fn each_documented_error_maps_to_its_status() {
     assert_eq!(harness::fail(&mut admin, &failed, "w", "invalid_request"), "failed");
     assert_eq!(replay_job(&mut producer, &statuses, failed.job_id, r#"{"n": 4}"#), 422, "another payload");
 
-    admin.batch_execute("ALTER SYSTEM SET durable_jobs.intake_enabled = off").unwrap();
-    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
-    wait_until(Duration::from_secs(10), "the reload", || {
-        cluster
-            .connect()
-            .query_one("SELECT current_setting('durable_jobs.intake_enabled')", &[])
-            .unwrap()
-            .get::<_, String>(0)
-            == "off"
-    });
+    harness::set_intake(&cluster, &mut admin, "off");
     let mut producer = cluster.connect_as("app_producer");
     assert_eq!(post_job(&mut producer, &statuses, "mail", r#"{"n": 5}"#, None), 503, "intake off");
     assert_eq!(

@@ -208,6 +208,21 @@ pub const WORKER_CONF: &str = "shared_preload_libraries = 'durable_jobs'\n\
                                durable_jobs.poll_interval = '50ms'\n\
                                durable_jobs.retry_base_delay = '100ms'\n";
 
+/// Sets `durable_jobs.intake_enabled` (a reload setting) to `value` through `client`, a session
+/// that has loaded the library (which defines the setting), and waits until a new session reads it.
+pub fn set_intake(cluster: &Cluster, client: &mut Client, value: &str) {
+    client.batch_execute(&format!("ALTER SYSTEM SET durable_jobs.intake_enabled = {value}")).unwrap();
+    client.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(std::time::Duration::from_secs(10), "the reload", || {
+        cluster
+            .connect()
+            .query_one("SELECT current_setting('durable_jobs.intake_enabled')", &[])
+            .unwrap()
+            .get::<_, String>(0)
+            == value
+    });
+}
+
 /// Polls `condition` every 100 ms until it holds; panics with `what` after `timeout`.
 pub fn wait_until(timeout: std::time::Duration, what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + timeout;

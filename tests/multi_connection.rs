@@ -353,21 +353,8 @@ fn intake_switch_stops_enqueue_but_not_claims() {
         .query_one("SELECT durable_jobs.enqueue_durable_job('k', '{\"n\": 1}', 'key-1')", &[])
         .unwrap()
         .get(0);
-    let set_intake = |client: &mut Client, value: &str| {
-        client.batch_execute(&format!("ALTER SYSTEM SET durable_jobs.intake_enabled = {value}")).unwrap();
-        client.batch_execute("SELECT pg_reload_conf()").unwrap();
-        // A new session reads the reloaded configuration.
-        wait_until(Duration::from_secs(10), "the reload", || {
-            cluster
-                .connect()
-                .query_one("SELECT current_setting('durable_jobs.intake_enabled')", &[])
-                .unwrap()
-                .get::<_, String>(0)
-                == value
-        });
-        cluster.connect()
-    };
-    let mut client = set_intake(&mut client, "off");
+    harness::set_intake(&cluster, &mut client, "off");
+    let mut client = cluster.connect();
     let identity = |client: &mut Client| -> i64 {
         client.query_one("SELECT last_value FROM durable_jobs.durable_job_job_id_seq", &[]).unwrap().get(0)
     };
@@ -411,7 +398,8 @@ fn intake_switch_stops_enqueue_but_not_claims() {
     assert_eq!(job.job_id, job_id);
     assert_eq!(complete(&mut client, &job, "w"), "succeeded");
 
-    let mut client = set_intake(&mut client, "on");
+    harness::set_intake(&cluster, &mut client, "on");
+    let mut client = cluster.connect();
     assert_eq!(enqueue(&mut client, "k", 1).len(), 1);
 }
 

@@ -814,7 +814,11 @@ fn the_grants_on_fail_durable_job_keep_their_grantors_through_the_update_and_bac
     admin
         .batch_execute("REVOKE EXECUTE ON FUNCTION durable_jobs.fail_durable_job(bigint, text, uuid, text, text) FROM w1 CASCADE")
         .unwrap();
-    assert_eq!(grants(&mut admin, "bigint, text, uuid, text, text"), Vec::<String>::new(), "w2's grant went with w1's option");
+    assert_eq!(
+        grants(&mut admin, "bigint, text, uuid, text, text"),
+        Vec::<String>::new(),
+        "w2's grant went with w1's option"
+    );
 }
 
 /// A downgrade after the extension's objects were reassigned and their first owner dropped (the
@@ -830,5 +834,7 @@ fn a_downgrade_after_the_first_owner_was_reassigned_and_dropped_succeeds() {
     admin.batch_execute("REASSIGN OWNED BY first_owner TO queue_owner; DROP ROLE first_owner").unwrap();
     admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'").expect("downgrade");
     admin.batch_execute("ALTER EXTENSION durable_jobs UPDATE TO '0.6.0'").expect("update again");
-    admin.batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{}')").expect("enqueue after both");
+    admin
+        .batch_execute("SELECT durable_jobs.enqueue_durable_job('external', '{}')")
+        .expect("enqueue after both");
 }

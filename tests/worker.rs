@@ -920,7 +920,11 @@ fn a_batch_whose_lease_lapsed_mid_way_commits_none_of_the_lapsed_jobs_effects() 
     // The worker's two successes and the external worker's one (counted since 0.6.0, when
     // `succeeded` read 2).
     assert_eq!(
-        (metric(&mut client, "succeeded"), metric(&mut client, "sql_api_succeeded"), metric(&mut client, "stale")),
+        (
+            metric(&mut client, "succeeded"),
+            metric(&mut client, "sql_api_succeeded"),
+            metric(&mut client, "stale")
+        ),
         (3, 1, 1)
     );
 }
@@ -2241,13 +2245,7 @@ fn a_completion_that_gives_up_waiting_for_its_row_is_not_blamed_on_the_handler()
     assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
     // The attempt history says what happened: the first attempt's lease lapsed (the completion
     // left it to its lease), the second succeeded; no attempt failed.
-    let history: Vec<(i32, String, Option<String>)> = client
-        .query("SELECT attempt, outcome, sqlstate FROM durable_jobs.get_durable_job_attempts($1)", &[&job_id])
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
-    assert_eq!(history, [(1, "lease_expired".to_owned(), None), (2, "succeeded".to_owned(), None)]);
+    assert_first_lapsed_then_succeeded(&mut client, job_id);
 }
 
 /// An error of the worker's own completion that is no wait for a row (here from a trigger an
@@ -2275,12 +2273,23 @@ fn an_error_of_the_workers_completion_is_not_blamed_on_the_handler() {
             harness::RECORD_HANDLER
         ))
         .unwrap();
-    let job_id: i64 =
-        client.query_one("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}')", &[]).unwrap().get(0);
+    let job_id: i64 = client
+        .query_one("SELECT durable_jobs.enqueue_durable_job('record', '{\"n\": 1}')", &[])
+        .unwrap()
+        .get(0);
     wait_until(Duration::from_secs(60), "the job to end", || {
         !matches!(job_outcome(&mut client, &format!("job_id = {job_id}")).0.as_str(), "running" | "available")
     });
     assert_eq!(job_outcome(&mut client, &format!("job_id = {job_id}")), ("succeeded".to_owned(), None, 2));
+    assert_first_lapsed_then_succeeded(&mut client, job_id);
+    assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
+    assert!(cluster.server_log().contains(&format!("completing job {job_id} failed (SQLSTATE P0001)")));
+    assert_eq!(harness::table_rows(&mut client, "public.effects", "n"), ["(1)"], "one effect");
+}
+
+/// The attempt history of a job whose first attempt's lease lapsed and whose second succeeded,
+/// with no SQLSTATE: no attempt failed.
+fn assert_first_lapsed_then_succeeded(client: &mut Client, job_id: i64) {
     let history: Vec<(i32, String, Option<String>)> = client
         .query("SELECT attempt, outcome, sqlstate FROM durable_jobs.get_durable_job_attempts($1)", &[&job_id])
         .unwrap()
@@ -2288,7 +2297,4 @@ fn an_error_of_the_workers_completion_is_not_blamed_on_the_handler() {
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
     assert_eq!(history, [(1, "lease_expired".to_owned(), None), (2, "succeeded".to_owned(), None)]);
-    assert_eq!((metric(&mut client, "failed"), metric(&mut client, "retried")), (0, 0));
-    assert!(cluster.server_log().contains(&format!("completing job {job_id} failed (SQLSTATE P0001)")));
-    assert_eq!(harness::table_rows(&mut client, "public.effects", "n"), ["(1)"], "one effect");
 }

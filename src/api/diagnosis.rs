@@ -263,10 +263,15 @@ fn queue_reasons(job: &Job, reasons: &mut Vec<Reason>) -> bool {
         };
         reasons.push(("queue_paused", format!("queue {} is paused{since}", job.queue)));
     }
-    let full = matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
+    let full =
+        matches!((job.limit, job.running), (Some(limit), Some(running)) if running >= i64::from(limit));
     if full {
         let detail = match job.reads_summary {
-            true => format!("queue {} runs {} jobs, its concurrency limit", job.queue, job.running.unwrap_or_default()),
+            true => format!(
+                "queue {} runs {} jobs, its concurrency limit",
+                job.queue,
+                job.running.unwrap_or_default()
+            ),
             false => format!("queue {} runs as many jobs as its concurrency limit", job.queue),
         };
         reasons.push(("queue_at_concurrency_limit", detail));

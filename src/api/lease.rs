@@ -217,8 +217,8 @@ fn cancel_durable_job(job_id: Option<i64>) -> bool {
             };
             // A job this transaction leased at its enqueue was never running to anyone else, and
             // no worker started it: cancelled as the available job it is, with no attempt.
-            let never_started =
-                state.as_deref() == Some("running") && crate::jobs::direct_lease::leased_job() == Some(job_id);
+            let never_started = state.as_deref() == Some("running")
+                && crate::jobs::direct_lease::leased_job() == Some(job_id);
             let state = if never_started { Some("available".to_string()) } else { state };
             let cancelled = if installed.has_status_api {
                 let mut args: Vec<DatumWithOid> = vec![

@@ -166,8 +166,13 @@ pub fn record_lapsed_leases(client: &mut pgrx::spi::SpiClient, lapsed: Vec<Lapse
     if lapsed.is_empty() {
         return;
     }
-    let mut columns: (Vec<i64>, Vec<i32>, Vec<Option<String>>, Vec<Option<TimestampWithTimeZone>>, Vec<TimestampWithTimeZone>) =
-        Default::default();
+    let mut columns: (
+        Vec<i64>,
+        Vec<i32>,
+        Vec<Option<String>>,
+        Vec<Option<TimestampWithTimeZone>>,
+        Vec<TimestampWithTimeZone>,
+    ) = Default::default();
     for attempt in lapsed {
         columns.0.push(attempt.job_id);
         columns.1.push(attempt.attempt);

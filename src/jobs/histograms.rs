@@ -146,7 +146,7 @@ fn slot_of(queue: &str) -> usize {
                     slot.state.compare_exchange(EMPTY, CLAIMING, Ordering::Acquire, Ordering::Relaxed).is_ok()
                         && {
                             slot.database.store(database, Ordering::Relaxed);
-                        store_name(&slot.name, queue);
+                            store_name(&slot.name, queue);
                             slot.state.store(READY, Ordering::Release);
                             true
                         }

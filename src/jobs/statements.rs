@@ -488,7 +488,10 @@ macro_rules! cancel_with_audit {
     ($history:ident) => {
         concat!(
             "WITH cancelled AS (",
-            cancel_statement!(concat!(new_state_version!(), $history!(cancelled_set)), $history!(cancelled_returning)),
+            cancel_statement!(
+                concat!(new_state_version!(), $history!(cancelled_set)),
+                $history!(cancelled_returning)
+            ),
             ")",
             $history!(cancelled),
             "
