@@ -16,8 +16,8 @@ use pgrx::prelude::*;
 pub const ERROR_MESSAGE_LIMIT: usize = 2000;
 
 /// The SQL fragments `jobs::statements` assembles its statements from on a schema with the
-/// attempt history (0.6.0 on), by the part of the statement they go in. Each statement that
-/// can end an attempt records it in a CTE of its own.
+/// attempt history (0.6.0 on), by the part of the statement they go in: the failure and the
+/// cancel record their attempt in a CTE of their own, the claim and the expiry return theirs.
 #[macro_export]
 macro_rules! attempt_history {
     // The claim's candidates: what their current attempt was (a lapsed lease is taken over).
