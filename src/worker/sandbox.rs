@@ -228,6 +228,15 @@ pub struct CaughtFailure {
 }
 
 impl CaughtFailure {
+    /// What an error caught by a `PgTryBuilder` reported: its SQLSTATE and message.
+    pub fn of(error: &pg_sys::panic::CaughtError) -> CaughtFailure {
+        let report = report_of(error);
+        CaughtFailure {
+            packed_sqlstate: report.sql_error_code() as i32,
+            message: report.message().to_string(),
+        }
+    }
+
     pub fn sqlstate(&self) -> String {
         sqlstate_text(self.packed_sqlstate)
     }
@@ -251,13 +260,7 @@ pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, Caught
 
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(memory_context);
-        let caught = |error: pg_sys::panic::CaughtError| {
-            let report = report_of(&error);
-            Err(CaughtFailure {
-                packed_sqlstate: report.sql_error_code() as i32,
-                message: report.message().to_string(),
-            })
-        };
+        let caught = |error: pg_sys::panic::CaughtError| Err(CaughtFailure::of(&error));
         let mut result =
             PgTryBuilder::new(std::panic::AssertUnwindSafe(|| Ok(f()))).catch_others(caught).execute();
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
@@ -287,7 +290,7 @@ pub(crate) fn in_subtransaction(f: impl FnOnce() -> bool) -> Result<bool, Caught
     }
 }
 
-pub(crate) fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
+fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
     use pg_sys::panic::CaughtError;
     match error {
         CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => report,

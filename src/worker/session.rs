@@ -97,11 +97,7 @@ pub(super) fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, CaughtFailur
                 pg_sys::ConditionVariableCancelSleep();
                 pg_sys::QueryCancelPending = 0;
             }
-            let report = sandbox::report_of(&error);
-            Err(CaughtFailure {
-                packed_sqlstate: report.sql_error_code() as i32,
-                message: report.message().to_string(),
-            })
+            Err(CaughtFailure::of(&error))
         })
         .execute()
 }
