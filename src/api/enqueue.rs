@@ -275,9 +275,9 @@ fn key_used_by_another_job() -> ! {
     );
 }
 
-/// 25006 (read_only_sql_transaction: the queue takes no new jobs, as a read-only server takes no
-/// writes; not 57P03, on which connection pools drop the connection)
-/// while `durable_jobs.intake_enabled` is off: nothing new is taken in (enqueue, replay).
+/// While `durable_jobs.intake_enabled` is off, nothing new is taken in (enqueue, replay): 25006,
+/// read_only_sql_transaction, as a read-only server refuses writes (not 57P03, on which
+/// connection pools drop the connection).
 pub fn require_intake_enabled() {
     if !crate::pg::settings::INTAKE_ENABLED.get() {
         ereport!(
