@@ -1,8 +1,9 @@
 //! The status API: read one job, list jobs in keyset pages, wait for a job to change. A caller
 //! sees the jobs of the roles whose privileges it has; superusers and roles with the extension
-//! owner's privileges see all. Any other job is simply not there, to these reads as to every other
-//! function (cancel and replay answer it as a missing job). No status row ever carries a payload or a lease token. (A
-//! little over 400 lines: the three share their visibility rule and their row.)
+//! owner's privileges see all. Any other job is simply not there, to these reads as to every
+//! other function (cancel and replay answer it as a missing job). No status row ever carries a
+//! payload or a lease token. (A little over 400 lines: the three share their visibility rule and
+//! their row.)
 
 use crate::jobs::arguments;
 use crate::jobs::wait_horizon;
