@@ -19,16 +19,9 @@ BATCH=${BATCH:-50}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 bindir=$("$PG_CONFIG" --bindir)
 work=/var/tmp/durable_jobs_against_release
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+source bench/cluster.sh
 as_root=()
 [ "$(id -u)" -eq 0 ] || as_root=(sudo)
-
-as_postgres() {
-    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
-}
-psql_q() { as_postgres "$bindir/psql" -X -q -t -A -h 127.0.0.1 -p "$port" -d postgres -v ON_ERROR_STOP=1 "$@"; }
-stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
-trap stop_cluster EXIT
 
 mkdir -p "$work"
 [ "$(id -u)" -ne 0 ] || chown postgres: "$work"

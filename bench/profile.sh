@@ -15,14 +15,7 @@ JOBS=${JOBS:-200000}
 SECONDS_PROFILED=${SECONDS_PROFILED:-4}
 PERCENT_LIMIT=${PERCENT_LIMIT:-0.5}
 work=/var/tmp/durable_jobs_profile
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-
-as_postgres() {
-    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
-}
-psql_q() { as_postgres "$bindir/psql" -X -q -t -A -h 127.0.0.1 -p "$port" -d postgres -v ON_ERROR_STOP=1 "$@"; }
-stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
-trap stop_cluster EXIT
+source "$(dirname "$0")/cluster.sh"
 
 rm -rf "$work"
 mkdir -p "$work"

@@ -19,15 +19,8 @@ JOBS=${JOBS:-10000}
 DRAIN_JOBS=${DRAIN_JOBS:-20000}
 WAITER_DRAIN_JOBS=${WAITER_DRAIN_JOBS:-60000}
 work=/var/tmp/durable_jobs_bench
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-
-as_postgres() {
-    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
-}
-psql_q() { as_postgres "$bindir/psql" -X -q -t -A -h 127.0.0.1 -p "$port" -d postgres -v ON_ERROR_STOP=1 "$@"; }
+source "$(dirname "$0")/cluster.sh"
 pgbench_run() { as_postgres "$bindir/pgbench" -h 127.0.0.1 -p "$port" -n "$@" postgres 2>&1; }
-stop_cluster() { as_postgres "$bindir/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
-trap stop_cluster EXIT
 
 start_cluster() {  # $1: worker_count
     cat <<CONF | as_postgres tee "$work/data/bench.conf" >/dev/null
