@@ -186,3 +186,52 @@ fn an_admin_reads_handlers_and_queue_controls_it_may_not_write() {
         "a queue with jobs has its per-state rows only"
     );
 }
+
+#[pg_test]
+fn one_claim_statement_takes_no_more_of_a_limited_queue_than_its_free_places() {
+    // A batch claimed in one statement takes a place for each job of a limited queue: 3 of its
+    // 10 jobs, in places 1 to 3, and every job of an unlimited queue besides, in claim order.
+    // Broken on purpose (the claim not recording the place on its job), it took two: the second
+    // saw the first running outside the places.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 3);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited') FROM generate_series(1, 10);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'open') FROM generate_series(1, 4);",
+    )
+    .unwrap();
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    let claimed = crate::jobs::lease::claim_jobs(installed, "w", None, None, 60, false, 20);
+    assert_eq!(claimed.len(), 7);
+    let places: Vec<Option<i32>> = one(
+        "SELECT array_agg(queue_slot ORDER BY queue_slot) FROM durable_jobs.durable_job
+         WHERE job_state = 'running' AND queue_name = 'limited'",
+    );
+    assert_eq!(places, [Some(1), Some(2), Some(3)]);
+    let first_limited: i64 =
+        one("SELECT min(job_id) FROM durable_jobs.durable_job WHERE queue_name = 'limited'");
+    let taken: Vec<i64> = one(
+        "SELECT array_agg(job_id ORDER BY job_id) FROM durable_jobs.durable_job
+         WHERE job_state = 'running' AND queue_name = 'limited'",
+    );
+    assert_eq!(taken, [first_limited, first_limited + 1, first_limited + 2], "the first three, in claim order");
+    // The next statement sees them run: nothing more of that queue.
+    assert!(claim_from("limited").is_none());
+}
+
+#[pg_test]
+fn jobs_running_outside_the_places_keep_a_limited_queue_full_until_they_end() {
+    // Jobs that started before the queue had a limit hold no place: the queue counts as full
+    // while they run, whatever its limit. Broken on purpose (PLACE_STILL_FREE checking only the
+    // place itself), the claim took a third job beside the two running.
+    let jobs: Vec<i64> = (0..3).map(|_| one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'late')")).collect();
+    let first = claim_from("late").unwrap();
+    let second = claim_from("late").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('late', 2)").unwrap();
+    assert!(claim_from("late").is_none(), "two run without a place: the queue is full");
+    assert_eq!(complete(first.0, "w", first.1), "succeeded");
+    assert!(claim_from("late").is_none(), "one still runs outside the places");
+    assert_eq!(complete(second.0, "w", second.1), "succeeded");
+    let (third, _) = claim_from("late").unwrap();
+    assert_eq!(third, jobs[2]);
+    assert_eq!(job_field::<i32>(third, "queue_slot"), Some(1));
+}

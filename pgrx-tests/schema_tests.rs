@@ -172,7 +172,12 @@ fn every_function_pins_search_path_and_declares_volatility() {
                    AND p.proname <> ALL ($1)
                  ORDER BY 1",
                 None,
-                &[crate::pg::constraints::C_FUNCTIONS.iter().chain(&crate::api::queues::C_FUNCTIONS).copied().collect::<Vec<_>>().into()],
+                &[crate::pg::constraints::C_FUNCTIONS
+                    .iter()
+                    .chain(&crate::jobs::slots::C_FUNCTIONS)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .into()],
             )
             .unwrap()
             .map(|row| row.get::<String>(1).unwrap().unwrap())

@@ -4,7 +4,8 @@
 -- durable_job_handlers shows whom each registration serves; each job keeps the history of its
 -- attempts, with the error text of failed ones (get_durable_job_attempts, fail_durable_job's
 -- error_message); diagnose_durable_job says why a job is where it is; enqueue_or_get_durable_job
--- tells whether an enqueue created its job. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- tells whether an enqueue created its job; queue concurrency limits are kept by place, not by
+-- an advisory lock. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.6.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -218,6 +219,35 @@ CREATE FUNCTION durable_jobs.diagnose_durable_job(job_id pg_catalog.int8)
     AS 'MODULE_PATHNAME', 'diagnose_durable_job_wrapper';
 REVOKE ALL ON FUNCTION durable_jobs.diagnose_durable_job(pg_catalog.int8) FROM PUBLIC;
 
+-- Queue concurrency limits by place: each limited queue gets its places, a claim takes one for
+-- each job it starts and records it on the job, and no advisory lock stands for the queue any
+-- more. Jobs that run as the library is updated hold no place: their queue counts as full
+-- until they end.
+ALTER TABLE durable_jobs.durable_job ADD COLUMN queue_slot pg_catalog.int4;
+CREATE INDEX durable_job_running_queue_idx
+    ON durable_jobs.durable_job (queue_name, queue_slot)
+    WHERE job_state = 'running';
+CREATE TABLE durable_jobs.durable_job_queue_slot (
+    queue_name pg_catalog.text NOT NULL,
+    slot       pg_catalog.int4 NOT NULL,
+    PRIMARY KEY (queue_name, slot)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_queue_slot', '');
+REVOKE ALL ON durable_jobs.durable_job_queue_slot FROM PUBLIC;
+INSERT INTO durable_jobs.durable_job_queue_slot (queue_name, slot)
+SELECT q.queue_name, place FROM durable_jobs.durable_job_queue q,
+       pg_catalog.generate_series(1, q.concurrency_limit) AS place;
+CREATE FUNCTION durable_jobs.durable_job_take_queue_slot(
+    queue pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_queue_slot';
+CREATE FUNCTION durable_jobs.durable_job_taken_queue_slot(job_id pg_catalog.int8)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_taken_queue_slot';
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8) FROM PUBLIC;
+DROP FUNCTION durable_jobs.durable_job_queue_has_capacity(pg_catalog.text);
+
 -- What an update creates belongs to the role that runs it, a superuser. After REASSIGN OWNED the
 -- extension may belong to another role, which the library's functions act as: the new members
 -- are handed to it, with the privileges they have then recorded as the extension's own, as a
@@ -237,9 +267,15 @@ BEGIN
         'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.forget_durable_job_attempts() OWNER TO %s',
                               extension_owner);
+    EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_queue_slot OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid) '
+                              'OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8) OWNER TO %s',
+                              extension_owner);
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
     FROM pg_catalog.pg_class c
-    WHERE c.oid = 'durable_jobs.durable_job_attempt'::pg_catalog.regclass
+    WHERE c.oid IN ('durable_jobs.durable_job_attempt'::pg_catalog.regclass,
+                    'durable_jobs.durable_job_queue_slot'::pg_catalog.regclass)
       AND i.objoid = c.oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
     UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
     FROM pg_catalog.pg_proc p
@@ -247,7 +283,9 @@ BEGIN
                     'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure,
                     'durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
                     'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)'::pg_catalog.regprocedure,
-                    'durable_jobs.forget_durable_job_attempts()'::pg_catalog.regprocedure)
+                    'durable_jobs.forget_durable_job_attempts()'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid)'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8)'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;

@@ -1,7 +1,8 @@
 -- durable_jobs 0.6.0 back to 0.5.0: enqueue_or_get_durable_job, diagnose_durable_job and the
 -- attempt history go (its table, with the error texts it kept, and the job columns of the
 -- latest attempt), fail_durable_job takes no error text, and durable_job_handlers loses the
--- columns that say whom each registration serves. The trust rule itself lives in the library:
+-- columns that say whom each registration serves; queue concurrency limits go back to an
+-- advisory lock. The trust rule itself lives in the library:
 -- while the 0.6.0 library is loaded it holds for a 0.5.0 schema too. Run by ALTER EXTENSION
 -- durable_jobs UPDATE TO '0.5.0'; tests/upgrade.rs checks that the result equals a fresh 0.5.0
 -- install.
@@ -104,6 +105,40 @@ DROP FUNCTION durable_jobs.forget_durable_job_attempts();
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_attempt;
 DROP TABLE durable_jobs.durable_job_attempt;
 ALTER TABLE durable_jobs.durable_job DROP COLUMN attempt_started_at, DROP COLUMN attempt_worker_id;
+
+-- Queue concurrency limits go back to counting under a per-queue advisory lock.
+DROP FUNCTION durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid);
+DROP FUNCTION durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8);
+ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_queue_slot;
+DROP TABLE durable_jobs.durable_job_queue_slot;
+ALTER TABLE durable_jobs.durable_job DROP COLUMN queue_slot;
+CREATE FUNCTION durable_jobs.durable_job_queue_has_capacity(queue pg_catalog.text)
+    RETURNS pg_catalog.bool
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+    SET search_path = pg_catalog, pg_temp
+AS $body$
+BEGIN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(
+            pg_catalog.hashtext('durable_jobs queue'), pg_catalog.hashtext(queue)) THEN
+        RETURN false;
+    END IF;
+    RETURN durable_jobs.durable_job_queue_running(queue) < COALESCE((SELECT q.concurrency_limit FROM durable_jobs.durable_job_queue q
+                     WHERE q.queue_name = queue), 2147483647);
+END
+$body$;
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_queue_has_capacity(pg_catalog.text) FROM PUBLIC;
+DO $hand_over$
+BEGIN
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_queue_has_capacity(pg_catalog.text) OWNER TO %s',
+                              (SELECT x.extowner::pg_catalog.regrole::pg_catalog.text
+                               FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs'));
+    UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
+    FROM pg_catalog.pg_proc p
+    WHERE p.oid = 'durable_jobs.durable_job_queue_has_capacity(pg_catalog.text)'::pg_catalog.regprocedure
+      AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
+END
+$hand_over$;
+
 
 CREATE FUNCTION durable_jobs.fail_durable_job(
     job_id pg_catalog.int8,

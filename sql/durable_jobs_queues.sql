@@ -19,7 +19,7 @@ COMMENT ON TABLE durable_jobs.durable_job_queue IS
     'set_durable_job_queue_concurrency.';
 
 -- Whether a row version of the job table is held by another transaction in progress (an update
--- or a row lock not yet committed): a C function of the library (src/queues.rs).
+-- or a row lock not yet committed): a C function of the library (src/jobs/slots.rs).
 CREATE FUNCTION durable_jobs.durable_job_row_held(row_version pg_catalog.tid)
     RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL SAFE
     AS 'MODULE_PATHNAME', 'durable_job_row_held';
@@ -37,26 +37,29 @@ AS $body$
       AND (j.lease_expires_at > pg_catalog.clock_timestamp() OR durable_jobs.durable_job_row_held(j.ctid))
 $body$;
 
--- Whether a limited queue can take one more running job, asked by claims for each candidate
--- of such a queue. Claimers of one limited queue take turns on a per-queue advisory lock held
--- to the end of the claiming transaction, so the next one counts the claims of the one before.
--- A claim never waits for it: while another transaction holds the lock, the queue counts as
--- full for this claim, so no session holding it (anyone can take an advisory lock) can stall a
--- claimer, and claimers of two limited queues cannot deadlock.
-CREATE FUNCTION durable_jobs.durable_job_queue_has_capacity(queue pg_catalog.text)
-    RETURNS pg_catalog.bool
-    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-    SET search_path = pg_catalog, pg_temp
-AS $body$
-BEGIN
-    IF NOT pg_catalog.pg_try_advisory_xact_lock(
-            pg_catalog.hashtext('durable_jobs queue'), pg_catalog.hashtext(queue)) THEN
-        RETURN false;
-    END IF;
-    RETURN durable_jobs.durable_job_queue_running(queue) < COALESCE((SELECT q.concurrency_limit FROM durable_jobs.durable_job_queue q
-                     WHERE q.queue_name = queue), 2147483647);
-END
-$body$;
+-- The places of each limited queue: one row per place, 1 to its concurrency limit, made by
+-- set_durable_job_queue_concurrency. The rows hold nothing: a claim locks a place's row (SKIP
+-- LOCKED) while it checks that no running job holds the place, and records the place on the job
+-- it claims (queue_slot), so an open claim transaction holds only the places it took.
+CREATE TABLE durable_jobs.durable_job_queue_slot (
+    queue_name pg_catalog.text NOT NULL,
+    slot       pg_catalog.int4 NOT NULL,
+    PRIMARY KEY (queue_name, slot)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_queue_slot', '');
+
+-- A free place of a limited queue for a job a claim is about to take, locked to the end of the
+-- claiming transaction; NULL when every place is taken or locked by another claim, or when jobs
+-- run outside the places (started before the limit was set, or above a lowered limit). C
+-- functions of the library (src/jobs/slots.rs): the second returns the place the first gave the
+-- job in the same claim statement.
+CREATE FUNCTION durable_jobs.durable_job_take_queue_slot(
+    queue pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_queue_slot';
+CREATE FUNCTION durable_jobs.durable_job_taken_queue_slot(job_id pg_catalog.int8)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_taken_queue_slot';
 
 -- Per queue and state: how many jobs, how long the oldest ready job has waited, and how many
 -- running jobs hold an expired lease (their worker died or stalled).

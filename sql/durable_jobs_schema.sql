@@ -87,6 +87,9 @@ CREATE TABLE durable_jobs.durable_job (
     -- a running or succeeded attempt from them (durable_job_attempt keeps the others).
     attempt_started_at pg_catalog.timestamptz,
     attempt_worker_id pg_catalog.text,
+    -- The place the job's latest run took in its queue's concurrency limit (durable_job_queue_slot);
+    -- NULL when the queue had no limit when the job started.
+    queue_slot        pg_catalog.int4,
 
     CONSTRAINT durable_job_state_known CHECK (durable_jobs.durable_job_state_known(job_state)),
     CONSTRAINT durable_job_names_not_empty CHECK (durable_jobs.durable_job_names_not_empty(queue_name, job_kind)),
@@ -142,9 +145,14 @@ CREATE INDEX durable_job_state_listing_idx
 CREATE INDEX durable_job_queue_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), queue_name, job_state, job_id)
     WHERE job_state <> 'running';
--- Also read whole (every running job, as the lease index was) for queue concurrency limits.
 CREATE INDEX durable_job_running_listing_idx
     ON durable_jobs.durable_job ((enqueued_by::pg_catalog.text), job_id, queue_name)
+    WHERE job_state = 'running';
+
+-- Running jobs by queue and place: what a claim reads to find which places of a limited queue
+-- are taken (durable_job_take_queue_slot), and to count a queue's running jobs.
+CREATE INDEX durable_job_running_queue_idx
+    ON durable_jobs.durable_job (queue_name, queue_slot)
     WHERE job_state = 'running';
 
 -- Finished jobs by age, for the retention pruning of the background workers.

@@ -1744,6 +1744,49 @@ fn the_worker_honours_a_queue_concurrency_limit_in_batches() {
     assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 40);
 }
 
+/// A queue limited to 2, one of whose jobs an external worker claimed in a transaction it keeps
+/// open: the worker runs the queue's other jobs on the place left, one at a time, without
+/// waiting for that transaction. Failed before limits were kept by place (the open transaction
+/// held the queue's advisory lock, and the worker's claims found the queue full until it ended).
+#[test]
+fn an_open_claim_transaction_holds_only_the_place_it_took() {
+    let cluster = Cluster::start(&format!("{WORKER_CONF}durable_jobs.claim_batch_size = 10\n"));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (n integer, running bigint);
+             CREATE FUNCTION public.note_running(payload jsonb) RETURNS void LANGUAGE sql AS $$
+                 INSERT INTO public.effects
+                 SELECT ($1->>'n')::integer, count(*) FROM durable_jobs.durable_job
+                 WHERE queue_name = 'limited' AND job_state = 'running'
+                   AND lease_expires_at > clock_timestamp() $$;
+             SELECT durable_jobs.register_durable_job_handler('note', 'public.note_running(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2);
+             SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'limited');",
+        )
+        .unwrap();
+    let mut external = cluster.connect();
+    external.batch_execute("BEGIN").unwrap();
+    let held = external
+        .query("SELECT job_id FROM durable_jobs.claim_next_durable_job('external-worker', job_kinds => ARRAY['external'])", &[])
+        .unwrap();
+    assert_eq!(held.len(), 1, "the external worker holds a job of the queue");
+    client
+        .batch_execute(
+            "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('note',
+                 ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series(1, 6) g), NULL, 'limited');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(60), "the six jobs to run beside the open claim", || {
+        jobs_in_state(&mut client, "succeeded") == 6
+    });
+    // One place was the external worker's: the worker's jobs ran one at a time.
+    let highest: i64 = client.query_one("SELECT max(running) FROM public.effects", &[]).unwrap().get(0);
+    assert_eq!(highest, 1);
+    external.batch_execute("COMMIT").unwrap();
+    assert_eq!(jobs_in_state(&mut client, "running"), 1, "the external worker's job runs on");
+}
+
 /// Four jobs for a worker claiming two at a time, two of priority 10, then two whose handlers
 /// wait for advisory lock `lock` (held by `client` until the caller releases it, or by the
 /// first two too with `first_wait`). All enqueued in one transaction, so that the first claim

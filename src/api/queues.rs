@@ -5,7 +5,6 @@
 use crate::jobs::arguments;
 use crate::jobs::lease::first_value_of;
 use crate::pg::privilege::{as_extension_owner, caller};
-use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 const CHANGE_PAUSED: &str = "
@@ -52,7 +51,13 @@ fn resume_durable_job_queue(queue_name: Option<String>) -> bool {
     set_paused(queue_name, false)
 }
 
+// With the queue's places up to the limit (`jobs::slots`); a lowered limit leaves the places
+// above it, which claims do not take.
 const SET_CONCURRENCY: &str = "
+    WITH places AS (
+        INSERT INTO durable_jobs.durable_job_queue_slot (queue_name, slot)
+        SELECT $1, place FROM pg_catalog.generate_series(1, $2) AS place
+        ON CONFLICT DO NOTHING)
     INSERT INTO durable_jobs.durable_job_queue (queue_name, concurrency_limit, changed_by)
     VALUES ($1, $2, $3::pg_catalog.name)
     ON CONFLICT (queue_name) DO UPDATE
@@ -64,7 +69,8 @@ const SET_CONCURRENCY: &str = "
 const CONCURRENCY_LIMIT_MAX: i32 = 100_000;
 
 /// Limits how many jobs of a queue may run (hold a live lease) at once; NULL removes the limit.
-/// Claims by the background workers and by external workers both honour it.
+/// Claims by the background workers and by external workers both honour it, each taking a place
+/// of the queue for the job it starts (`jobs::slots`).
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
 fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_limit: Option<i32>) {
@@ -84,69 +90,4 @@ fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_lim
             &[queue_name.as_str().into(), concurrency_limit.into(), changed_by.as_str().into()],
         )
     });
-}
-
-/// The C functions defined here, by SQL name: they look no name up through search_path, and pin
-/// none (a `SET` clause would cost a GUC save and restore per call).
-#[cfg_attr(not(any(test, feature = "pg_test")), allow(dead_code))]
-pub const C_FUNCTIONS: [&str; 1] = ["durable_job_row_held"];
-
-/// `durable_jobs.durable_job_row_held(tid)`, a V1 function: whether the job table's row version
-/// at `tid` is held by another transaction still in progress (an update or a row lock neither
-/// committed nor rolled back), as PostgreSQL decides before it waits for a row. A queue's
-/// concurrency limit counts such a running job whose committed lease lapsed
-/// (`durable_job_queue_running`): a worker's batch runs its later jobs on leases renewed in the
-/// batch's own transaction.
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_row_held() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
-
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn durable_job_row_held(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        // STRICT: never NULL. A tid is passed by reference.
-        let tid = (*fcinfo).args.as_slice(1)[0].value.cast_mut_ptr::<pg_sys::ItemPointerData>();
-        // ReadBuffer would take InvalidBlockNumber for a new page.
-        let block = (u32::from((*tid).ip_blkid.bi_hi) << 16) | u32::from((*tid).ip_blkid.bi_lo);
-        if block == pg_sys::InvalidBlockNumber {
-            return pg_sys::Datum::from(false);
-        }
-        let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), false);
-        let table = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
-        // The caller's scan of the table holds this lock already, and the row version's page
-        // pinned, so it cannot be pruned away meanwhile.
-        let relation = pg_sys::table_open(table, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-        let mut tuple: pg_sys::HeapTupleData = std::mem::zeroed();
-        tuple.t_self = *tid;
-        let mut buffer: pg_sys::Buffer = 0;
-        let found =
-            pg_sys::heap_fetch(relation, &raw mut pg_sys::SnapshotAnyData, &mut tuple, &mut buffer, false);
-        let held = found && {
-            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-            let state =
-                pg_sys::HeapTupleSatisfiesUpdate(&mut tuple, pg_sys::GetCurrentCommandId(false), buffer);
-            // Not a lock of the caller's own transaction (an update of its own is the row
-            // version it sees): a claimer counts what others hold. Updated or deleted by a
-            // transaction that committed after the caller's snapshot (a batch's commit): held
-            // as far as the caller can see, counted once more rather than once less.
-            let header = tuple.t_data;
-            let own = (*header).t_infomask & pg_sys::HEAP_XMAX_IS_MULTI as u16 == 0
-                && pg_sys::TransactionIdIsCurrentTransactionId((*header).t_choice.t_heap.t_xmax);
-            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
-            pg_sys::ReleaseBuffer(buffer);
-            let changing = matches!(
-                state,
-                pg_sys::TM_Result::TM_BeingModified
-                    | pg_sys::TM_Result::TM_Updated
-                    | pg_sys::TM_Result::TM_Deleted
-            );
-            changing && !own
-        };
-        pg_sys::table_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
-        pg_sys::Datum::from(held)
-    }
 }

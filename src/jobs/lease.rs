@@ -9,6 +9,7 @@
 use crate::jobs::attempts::{self, LapsedLease};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::histograms::Observation;
+use crate::jobs::slots;
 use crate::jobs::statements::{
     CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
     COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL,
@@ -152,6 +153,7 @@ pub fn claim_jobs(
             // columns follow the handler's, on a schema with the attempt history).
             let mut lapsed = Vec::new();
             let history_columns = if handlers_only { 11 } else { 9 };
+            slots::new_claim();
             let claimed: Vec<ClaimedJob> =
                 plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
                     .filter(|row| {
@@ -183,14 +185,24 @@ pub fn claim_jobs(
             waiters::wake_waiters_at_commit(expired, Change::Terminal);
             claimed
         };
-        // A statement does not see its own claims when it checks a queue's concurrency
-        // limit, so with limits in force a batch is claimed one job per statement.
+        // Limits by place (`jobs::slots`) hold for a batch claimed in one statement. Limits by
+        // lock, on a schema from before 0.6.0: a statement does not see its own claims when it
+        // checks a queue's concurrency limit, so with limits in force a batch is claimed one job
+        // per statement.
         let mut claimed = Vec::new();
-        if limit == 1 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+        if limit == 1
+            || installed.has_attempt_history
+            || handlers_only
+            || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
+        {
             claimed = claim(client, limit);
             // A limit set between the check and the claim (the claim's snapshot is later):
             // all but the first job go back, and the batch is claimed one by one.
-            if claimed.len() < 2 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+            if claimed.len() < 2
+                || installed.has_attempt_history
+                || handlers_only
+                || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
+            {
                 return claimed;
             }
             let extra: Vec<(i64, Uuid)> =
@@ -343,6 +355,7 @@ pub fn renew_leases_after_rollback(
     let mut renewed = over_leases(RENEW_AFTER_ROLLBACK, jobs, worker_id, lease());
     let ids: Vec<i64> = renewed.iter().map(|(id, _)| *id).collect();
     for job in jobs.iter().filter(|(id, _)| !ids.contains(id)) {
+        slots::new_claim();
         renewed.extend(over_leases::<i64>(RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, &[*job], worker_id, lease()));
     }
     renewed

@@ -1,6 +1,6 @@
 //! The job model the SQL API and the background share: caller input and failure codes, the
 //! lease statements and fenced transitions, the trust rule, wake-ups and direct leases at
-//! commit, the status waiters, the counters and pruning.
+//! commit, the status waiters, queue limits' places, the counters and pruning.
 
 pub mod arguments;
 pub mod attempts;
@@ -12,6 +12,7 @@ pub mod hooks;
 pub mod lease;
 pub mod retention;
 pub mod sleepers;
+pub mod slots;
 pub mod statements;
 pub mod trust;
 pub mod wait_horizon;

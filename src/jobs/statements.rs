@@ -70,32 +70,92 @@ macro_rules! expire_exhausted_ctes {
 // columns after the eight every claim returns, `$history` the recording of attempts
 // (`jobs::attempts`). The lease tokens come in $6, one per job the claim may take
 // (`randomness`), handed out in claim order.
-macro_rules! claim_ctes {
-    ($kind_filter:expr, $claimed:expr, $returning:expr, $history:ident) => {
+// How a claim keeps to queue concurrency limits. By place (schemas from 0.6.0 on,
+// `jobs::slots`): a job of a limited queue is taken only with a free place of its queue, which it
+// records. By lock (older schemas): queues at their limit are left out, and a limited queue with
+// room left is checked under its advisory lock, one job per statement.
+macro_rules! limits_by_place {
+    (closed) => {
+        ""
+    };
+    // A place is asked for last, for a job that passes every other condition (a CASE fixes the
+    // order; the planner orders plain conditions by their cost, and may join the kind's
+    // handler after them), so that no place goes to a job the claim cannot take; and the claim
+    // order index hands the candidates over in claim order (`plans::execute_in_claim_order`).
+    (filter, $kind_filter:expr) => {
         concat!(
+            "AND CASE WHEN true ",
+            $kind_filter,
             "
+                          THEN NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = durable_job.queue_name
+                                        AND (q.paused
+                                             OR (q.concurrency_limit IS NOT NULL
+                                                 AND durable_jobs.durable_job_take_queue_slot(
+                                                         durable_job.queue_name, durable_job.job_id,
+                                                         durable_job.ctid) IS NULL)))
+                          ELSE false END"
+        )
+    };
+    (place) => {
+        ", durable_jobs.durable_job_taken_queue_slot(job_id) AS place"
+    };
+    (set) => {
+        "queue_slot = numbered.place, "
+    };
+}
+macro_rules! limits_by_lock {
+    (closed) => {
+        "
                 -- Queues no one may claim from now: paused, or at their concurrency limit. Anti-joins keep
                 -- the claim an index scan; a limited queue with room left is checked under its lock.
                 closed AS MATERIALIZED (
                     SELECT q.queue_name FROM durable_jobs.durable_job_queue q
                     WHERE q.paused
                        OR (q.concurrency_limit IS NOT NULL
-                           AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),
+                           AND durable_jobs.durable_job_queue_running(q.queue_name) >= q.concurrency_limit)),"
+    };
+    (filter, $kind_filter:expr) => {
+        concat!(
+            "AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
+                      AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
+                                      WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
+                                        AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
+                      ",
+            $kind_filter
+        )
+    };
+    (place) => {
+        ""
+    };
+    (set) => {
+        ""
+    };
+}
+
+// The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
+// the transaction's start: the worker claims ahead at the end of a transaction that ran a
+// batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
+// columns after the eight every claim returns, `$history` the recording of attempts
+// (`jobs::attempts`), `$limits` the keeping to concurrency limits. The lease tokens come in $6,
+// one per job the claim may take (`randomness`), handed out in claim order.
+macro_rules! claim_ctes {
+    ($kind_filter:expr, $claimed:expr, $returning:expr, $history:ident, $limits:ident) => {
+        concat!(
+            $limits!(closed),
+            "
                 candidate AS (
                     SELECT job_id, job_state AS was_state",
             $history!(was),
+            $limits!(place),
             " FROM durable_jobs.durable_job
                     WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
                            OR (job_state = 'running'
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
                                AND attempt_count < max_attempts))
                       AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
-                      AND NOT EXISTS (SELECT 1 FROM closed WHERE closed.queue_name = durable_job.queue_name)
-                      AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
-                                      WHERE q.queue_name = durable_job.queue_name AND q.concurrency_limit IS NOT NULL
-                                        AND NOT durable_jobs.durable_job_queue_has_capacity(q.queue_name))
                       ",
-            $kind_filter,
+            $limits!(filter, $kind_filter),
             "
                     ORDER BY priority DESC, run_after, job_id
                     LIMIT {limit}
@@ -106,6 +166,7 @@ macro_rules! claim_ctes {
                 SET job_state = 'running', ",
             $claimed,
             $history!(started),
+            $limits!(set),
             "
                     lease_owner = $2,
                     lease_token = ($6::pg_catalog.uuid[])[numbered.n],
@@ -125,12 +186,12 @@ macro_rules! claim_ctes {
 // The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
 // two parts touch disjoint rows (attempts used up or not).
 macro_rules! claim_statement {
-    ($kind_filter:expr, $claimed:expr, $expired:expr, $history:ident) => {
+    ($kind_filter:expr, $claimed:expr, $expired:expr, $history:ident, $limits:ident) => {
         concat!(
             "WITH",
             expire_exhausted_ctes!($expired, $history),
             ",",
-            claim_ctes!($kind_filter, $claimed, "", $history),
+            claim_ctes!($kind_filter, $claimed, "", $history, $limits),
             "
                 -- The claimed jobs, then the expired ones (no lease token), whose waiters wake too.
                 SELECT * FROM claimed
@@ -157,13 +218,19 @@ macro_rules! any_kind {
 }
 
 pub(crate) const CLAIM: &str =
-    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), attempt_history);
+    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), attempt_history, limits_by_place);
 
 // The same on a schema from before 0.6.0 and before 0.4.0, which this library serves until
 // ALTER EXTENSION durable_jobs UPDATE.
-pub(crate) const CLAIM_WITHOUT_HISTORY: &str =
-    claim_statement!(any_kind!(), new_state_version!(), expiry_columns!(), no_attempt_history);
-pub(crate) const CLAIM_ON_OLD_SCHEMA: &str = claim_statement!(any_kind!(), "", "", no_attempt_history);
+pub(crate) const CLAIM_WITHOUT_HISTORY: &str = claim_statement!(
+    any_kind!(),
+    new_state_version!(),
+    expiry_columns!(),
+    no_attempt_history,
+    limits_by_lock
+);
+pub(crate) const CLAIM_ON_OLD_SCHEMA: &str =
+    claim_statement!(any_kind!(), "", "", no_attempt_history, limits_by_lock);
 
 // The background worker's claim ($4 true) takes a kind only from the enqueuers its registration
 // serves: a superuser's registration serves every role, another role's only the roles that have
@@ -188,7 +255,8 @@ pub(crate) const CLAIM_FOR_WORKER: &str = concat!(
                            WHERE h.job_kind = j.job_kind),
                           (SELECT h.registered_by::pg_catalog.text FROM durable_jobs.durable_job_handler h
                            WHERE h.job_kind = j.job_kind)",
-        attempt_history
+        attempt_history,
+        limits_by_place
     ),
     "
     SELECT * FROM claimed"
@@ -341,8 +409,7 @@ macro_rules! held_leases_locked {
 }
 
 // `leases_locked`, for one lapsed lease of a queue with a concurrency limit, while the queue has
-// room for one more running job, under the queue's lock as a claim asks it (one job per
-// statement: a statement does not see its own revivals).
+// a free place for it, taken as a claim takes one (`jobs::slots`).
 macro_rules! held_lease_within_limit_locked {
     ($lock:literal) => {
         leases_locked!(
@@ -350,7 +417,7 @@ macro_rules! held_lease_within_limit_locked {
                   AND x.lease_expires_at <= pg_catalog.clock_timestamp()
                   AND EXISTS (SELECT FROM durable_jobs.durable_job_queue q
                               WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL)
-                  AND durable_jobs.durable_job_queue_has_capacity(x.queue_name)",
+                  AND durable_jobs.durable_job_take_queue_slot(x.queue_name, x.job_id, x.ctid) IS NOT NULL",
             $lock
         )
     };
@@ -359,29 +426,36 @@ macro_rules! held_lease_within_limit_locked {
 // The background worker's renewal of the leases of a batch's jobs not yet run, so that each
 // handler gets a whole lease (and the jobs stay locked by the batch's transaction). Fenced like
 // EXTEND (the token is the state check); returns each renewed job with its new expiry in Unix
-// microseconds. `$leases`: live_leases_locked or held_leases_locked.
+// microseconds. `$leases`: live_leases_locked or held_leases_locked; `$place`: the place a
+// revived lease took in its queue's limit, where it took one.
 macro_rules! renew_statement {
-    ($leases:ident, $lock:literal) => {
+    ($leases:ident, $lock:literal, $place:literal) => {
         concat!(
             $leases!($lock),
             "
             UPDATE durable_jobs.durable_job j
-            SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),
+            SET lease_expires_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $4),",
+            $place,
+            "
                 updated_at = pg_catalog.clock_timestamp()
             FROM live WHERE j.job_id = live.job_id AND j.job_id = ANY ($1)
             RETURNING j.job_id, (pg_catalog.date_part('epoch', j.lease_expires_at) * 1000000)::pg_catalog.int8"
         )
     };
 }
-pub(crate) const RENEW_BATCH: &str = renew_statement!(live_leases_locked, "");
-pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(live_leases_locked, " SKIP LOCKED");
+pub(crate) const RENEW_BATCH: &str = renew_statement!(live_leases_locked, "", "");
+pub(crate) const RENEW_BATCH_SKIPPING_HELD: &str = renew_statement!(live_leases_locked, " SKIP LOCKED", "");
 // After a run transaction failed: its renewals went with it, and the leases the claim committed
 // may have lapsed meanwhile (a batch runs past them on renewals of its own). A lapsed lease still
 // under the worker's owner and token was taken by no one (a reclaim, a cancel, an expiry and a
 // completion all change or clear the token), so it is the worker's to renew, as if in time.
-pub(crate) const RENEW_AFTER_ROLLBACK: &str = renew_statement!(held_leases_locked, " SKIP LOCKED");
-pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str =
-    renew_statement!(held_lease_within_limit_locked, " SKIP LOCKED");
+pub(crate) const RENEW_AFTER_ROLLBACK: &str = renew_statement!(held_leases_locked, " SKIP LOCKED", "");
+pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str = renew_statement!(
+    held_lease_within_limit_locked,
+    " SKIP LOCKED",
+    "
+                queue_slot = durable_jobs.durable_job_taken_queue_slot(j.job_id),"
+);
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
 // runs it skipping held rows first, then for each held row alone, under its short wait for it

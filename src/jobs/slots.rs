@@ -1,0 +1,297 @@
+//! A queue's concurrency limit, by place. A limited queue has one row per place
+//! (`durable_job_queue_slot`, 1 to the limit); a claim takes a place for a job by locking a free
+//! place's row (SKIP LOCKED) and then checking, with a snapshot taken after the lock, that no
+//! running job holds it; the claimed job records its place (`queue_slot`). A place is held while
+//! a job of the queue that recorded it runs (a live lease, or a lapsed one whose row another
+//! transaction holds: a worker's batch runs its later jobs on leases renewed in its own
+//! transaction). An open claim transaction so holds only the places it took, and whoever locks
+//! a place next sees the job that took it once that transaction commits.
+//!
+//! A claim statement asks for places row by row, before the statement's own claims are visible,
+//! so the places handed out in one statement are remembered until the next (`new_claim`), and a
+//! queue found full stays full for the rest of the statement.
+
+use crate::pg::plans;
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+
+/// What one claim statement was given: the place of each job (by id) and the queues with no
+/// place left. `transaction`: the local transaction it belongs to, a guard against a statement
+/// that did not call `new_claim`.
+#[derive(Default)]
+struct Claim {
+    transaction: u32,
+    places: HashMap<i64, (String, i32)>,
+    full: HashSet<String>,
+}
+
+thread_local! {
+    static CLAIM: RefCell<Claim> = RefCell::new(Claim::default());
+}
+
+fn local_transaction() -> u32 {
+    #[cfg(any(feature = "pg15", feature = "pg16"))]
+    let lxid = unsafe { (*pg_sys::MyProc).lxid };
+    #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+    let lxid = unsafe { (*pg_sys::MyProc).vxid.lxid };
+    lxid
+}
+
+/// Starts a statement that may take places: forgets what the one before was given (its claims
+/// are visible to the next statement, and a place it locked for a job it did not claim is free
+/// again for this transaction).
+pub fn new_claim() {
+    CLAIM.with(|claim| *claim.borrow_mut() = Claim { transaction: local_transaction(), ..Claim::default() });
+}
+
+// The lowest place of the queue that no running job holds, except those given out in this
+// statement ($2), locked; with the queue's limit. No row: none (or the queue has no limit now).
+const LOCK_FREE_PLACE: &str = "
+    SELECT s.slot, q.concurrency_limit
+    FROM durable_jobs.durable_job_queue q
+    JOIN durable_jobs.durable_job_queue_slot s ON s.queue_name = q.queue_name AND s.slot <= q.concurrency_limit
+    WHERE q.queue_name = $1 AND s.slot <> ALL ($2)
+      AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
+                      WHERE j.queue_name = $1 AND j.queue_slot = s.slot AND j.job_state = 'running'
+                        AND (j.lease_expires_at > pg_catalog.clock_timestamp()
+                             OR durable_jobs.durable_job_row_held(j.ctid)))
+    ORDER BY s.slot
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED";
+
+// Whether place $2 of the queue is still free once locked (a claim that took it may have
+// committed after the locking statement's snapshot), and no job runs outside the places 1 to
+// $3 (started before the limit was set, or above a lowered one: the queue is full until they end).
+const PLACE_STILL_FREE: &str = "
+    SELECT NOT EXISTS (
+        SELECT FROM durable_jobs.durable_job j
+        WHERE j.queue_name = $1 AND j.job_state = 'running'
+          AND (j.queue_slot = $2 OR j.queue_slot IS NULL OR j.queue_slot NOT BETWEEN 1 AND $3)
+          AND (j.lease_expires_at > pg_catalog.clock_timestamp() OR durable_jobs.durable_job_row_held(j.ctid)))";
+
+/// How many places a claim tries, one after another, for one job: a place is found taken after
+/// its lock only when a claim of it committed between two statements.
+const TRIES: usize = 3;
+
+/// A place of `queue` for `job_id`, locked to the end of the transaction; None when none is free.
+fn take(queue: &str, job_id: i64) -> Option<i32> {
+    let given = CLAIM.with(|claim| {
+        let mut claim = claim.borrow_mut();
+        if claim.transaction != local_transaction() {
+            *claim = Claim { transaction: local_transaction(), ..Claim::default() };
+        }
+        if let Some((_, place)) = claim.places.get(&job_id) {
+            return Err(Some(*place));
+        }
+        if claim.full.contains(queue) {
+            return Err(None);
+        }
+        Ok(claim.places.values().filter(|(q, _)| q == queue).map(|(_, place)| *place).collect::<Vec<i32>>())
+    });
+    let mut given = match given {
+        Ok(given) => given,
+        Err(answer) => return answer,
+    };
+    let place = Spi::connect_mut(|client| {
+        for _ in 0..TRIES {
+            let rows = plans::execute(client, LOCK_FREE_PLACE, &[queue.into(), given.clone().into()]);
+            let Some(row) = rows.into_iter().next() else { return None };
+            let place: i32 = row.get(1).unwrap().unwrap();
+            let limit: i32 = row.get(2).unwrap().unwrap();
+            if still_free(client, queue, place, limit) {
+                return Some(place);
+            }
+            // Locked by this transaction now, and taken: not asked for again in this statement.
+            given.push(place);
+        }
+        None
+    });
+    CLAIM.with(|claim| {
+        let mut claim = claim.borrow_mut();
+        match place {
+            Some(place) => {
+                claim.places.insert(job_id, (queue.to_owned(), place));
+            }
+            None => {
+                claim.full.insert(queue.to_owned());
+            }
+        }
+    });
+    place
+}
+
+/// PLACE_STILL_FREE, with a snapshot taken now. At READ COMMITTED every statement takes one; a
+/// REPEATABLE READ or SERIALIZABLE transaction would read its own, older one, which need not show
+/// a claim of the place that committed since, so the statement runs with the latest snapshot.
+fn still_free(client: &mut pgrx::spi::SpiClient, queue: &str, place: i32, limit: i32) -> bool {
+    if unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32 {
+        let rows = plans::execute(client, PLACE_STILL_FREE, &[queue.into(), place.into(), limit.into()]);
+        return rows.first().get_one::<bool>().unwrap() == Some(true);
+    }
+    let text = std::ffi::CString::new(PLACE_STILL_FREE).unwrap();
+    unsafe {
+        let mut types = [pg_sys::TEXTOID, pg_sys::INT4OID, pg_sys::INT4OID];
+        let plan = pg_sys::SPI_prepare(text.as_ptr(), 3, types.as_mut_ptr());
+        assert!(!plan.is_null(), "PLACE_STILL_FREE did not prepare");
+        let mut values =
+            [queue.into_datum().unwrap(), place.into_datum().unwrap(), limit.into_datum().unwrap()];
+        let nulls = [b' ' as std::ffi::c_char; 3];
+        let status = pg_sys::SPI_execute_snapshot(
+            plan,
+            values.as_mut_ptr(),
+            nulls.as_ptr(),
+            pg_sys::GetLatestSnapshot(),
+            std::ptr::null_mut(),
+            false,
+            false,
+            1,
+        );
+        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "PLACE_STILL_FREE");
+        let table = pg_sys::SPI_tuptable;
+        let mut is_null = false;
+        let free = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, 1, &mut is_null);
+        let free = !is_null && bool::from_datum(free, false) == Some(true);
+        pg_sys::SPI_freetuptable(table);
+        pg_sys::SPI_freeplan(plan);
+        free
+    }
+}
+
+/// The C functions defined here, by SQL name: they pin no search_path (they name every object
+/// with its schema), as a `SET` clause would cost a GUC save and restore on every call.
+#[cfg_attr(not(any(test, feature = "pg_test")), allow(dead_code))]
+pub const C_FUNCTIONS: [&str; 3] =
+    ["durable_job_row_held", "durable_job_take_queue_slot", "durable_job_taken_queue_slot"];
+
+#[unsafe(no_mangle)]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_durable_job_take_queue_slot() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+#[unsafe(no_mangle)]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_durable_job_taken_queue_slot() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+/// The int4 result, or NULL.
+unsafe fn place_datum(fcinfo: pg_sys::FunctionCallInfo, place: Option<i32>) -> pg_sys::Datum {
+    match place {
+        Some(place) => pg_sys::Datum::from(place),
+        None => {
+            unsafe { (*fcinfo).isnull = true };
+            pg_sys::Datum::from(0)
+        }
+    }
+}
+
+/// `durable_jobs.durable_job_take_queue_slot(queue text, job_id int8, row_version tid)`, a V1
+/// function (STRICT). A claim asks before it locks the job's row: a row another transaction
+/// holds (a claim of it in progress, or committed since the claim's snapshot) gets no place, so
+/// that a job the claim will skip takes none from the jobs after it.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_take_queue_slot(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let args = (*fcinfo).args.as_slice(3);
+        if row_held(args[2].value.cast_mut_ptr()) {
+            return place_datum(fcinfo, None);
+        }
+        let queue = String::from_datum(args[0].value, false).unwrap();
+        let job_id = args[1].value.value() as i64;
+        let place = take(&queue, job_id);
+        place_datum(fcinfo, place)
+    }
+}
+
+/// `durable_jobs.durable_job_taken_queue_slot(job_id int8)`: the place this statement's claim
+/// took for the job, NULL if none.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_taken_queue_slot(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let job_id = (*fcinfo).args.as_slice(1)[0].value.value() as i64;
+        let place = CLAIM.with(|claim| {
+            let claim = claim.borrow();
+            if claim.transaction != local_transaction() {
+                return None;
+            }
+            claim.places.get(&job_id).map(|(_, place)| *place)
+        });
+        place_datum(fcinfo, place)
+    }
+}
+
+/// `durable_jobs.durable_job_row_held(tid)`, a V1 function: whether the job table's row version
+/// at `tid` is held by another transaction still in progress (an update or a row lock neither
+/// committed nor rolled back), as PostgreSQL decides before it waits for a row. A queue's
+/// concurrency limit counts such a running job whose committed lease lapsed
+/// (`durable_job_queue_running`): a worker's batch runs its later jobs on leases renewed in the
+/// batch's own transaction.
+#[unsafe(no_mangle)]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_durable_job_row_held() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_row_held(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // STRICT: never NULL. A tid is passed by reference.
+    unsafe { pg_sys::Datum::from(row_held((*fcinfo).args.as_slice(1)[0].value.cast_mut_ptr())) }
+}
+
+/// Whether the job table's row version at `tid` is held by another transaction in progress
+/// (`durable_job_row_held`).
+unsafe fn row_held(tid: *const pg_sys::ItemPointerData) -> bool {
+    unsafe {
+        // ReadBuffer would take InvalidBlockNumber for a new page.
+        let block = (u32::from((*tid).ip_blkid.bi_hi) << 16) | u32::from((*tid).ip_blkid.bi_lo);
+        if block == pg_sys::InvalidBlockNumber {
+            return false;
+        }
+        let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), false);
+        let table = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
+        // The caller's scan of the table holds this lock already, and the row version's page
+        // pinned, so it cannot be pruned away meanwhile.
+        let relation = pg_sys::table_open(table, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let mut tuple: pg_sys::HeapTupleData = std::mem::zeroed();
+        tuple.t_self = *tid;
+        let mut buffer: pg_sys::Buffer = 0;
+        let found =
+            pg_sys::heap_fetch(relation, &raw mut pg_sys::SnapshotAnyData, &mut tuple, &mut buffer, false);
+        let held = found && {
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+            let state =
+                pg_sys::HeapTupleSatisfiesUpdate(&mut tuple, pg_sys::GetCurrentCommandId(false), buffer);
+            // Not a lock of the caller's own transaction (an update of its own is the row
+            // version it sees): a claimer counts what others hold. Updated or deleted by a
+            // transaction that committed after the caller's snapshot (a batch's commit): held
+            // as far as the caller can see, counted once more rather than once less.
+            let header = tuple.t_data;
+            let own = (*header).t_infomask & pg_sys::HEAP_XMAX_IS_MULTI as u16 == 0
+                && pg_sys::TransactionIdIsCurrentTransactionId((*header).t_choice.t_heap.t_xmax);
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+            pg_sys::ReleaseBuffer(buffer);
+            let changing = matches!(
+                state,
+                pg_sys::TM_Result::TM_BeingModified
+                    | pg_sys::TM_Result::TM_Updated
+                    | pg_sys::TM_Result::TM_Deleted
+            );
+            changing && !own
+        };
+        pg_sys::table_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
+        held
+    }
+}
