@@ -40,7 +40,7 @@ fn only_the_enqueuing_role_or_its_members_may_cancel() {
         "CREATE ROLE dj_test_owner; CREATE ROLE dj_test_stranger; CREATE ROLE dj_test_team;
          GRANT dj_test_owner TO dj_test_team;
          GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_test_owner, dj_test_stranger, dj_test_team;
-         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                                    durable_jobs.cancel_durable_job(bigint)
              TO dj_test_owner, dj_test_stranger, dj_test_team;
          SET LOCAL ROLE dj_test_owner",

@@ -235,3 +235,70 @@ fn jobs_running_outside_the_places_keep_a_limited_queue_full_until_they_end() {
     assert_eq!(third, jobs[2]);
     assert_eq!(job_field::<i32>(third, "queue_slot"), Some(1));
 }
+
+#[pg_test]
+fn a_key_at_its_limit_is_skipped_and_the_next_jobs_are_claimed_in_order() {
+    // A per-key limit of 1: a batch claim takes the first job of each key and every job without
+    // a key, in claim order, and skips the second job of each key; a key's next job runs once
+    // its running one ends. Broken on purpose (the claim's filter without the key's place), it
+    // took both jobs of keys a and b.
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1)").unwrap();
+    let jobs: Vec<i64> = ["a", "a", "b", "", "b", "c"]
+        .iter()
+        .map(|key| {
+            let key = if key.is_empty() { "NULL".to_string() } else { format!("'{key}'") };
+            one(&format!(
+                "SELECT durable_jobs.enqueue_durable_job('k', '{{}}', queue_name => 'tenants', concurrency_key => {key})"
+            ))
+        })
+        .collect();
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    let claimed = crate::jobs::lease::claim_jobs(installed, "w", None, None, 60, false, 20);
+    let claimed: Vec<i64> = claimed.iter().map(|job| job.job_id).collect();
+    assert_eq!(claimed, [jobs[0], jobs[2], jobs[3], jobs[5]], "one per key, and the job without a key");
+    let places: Vec<Option<i32>> = one(&format!(
+        "SELECT array_agg(key_slot ORDER BY job_id) FROM durable_jobs.durable_job WHERE job_id IN ({}, {}, {})",
+        jobs[0], jobs[2], jobs[5]
+    ));
+    assert_eq!(places, [Some(1), Some(1), Some(1)]);
+    assert!(claim_from("tenants").is_none(), "a and b run, c has no other job");
+    let token: pgrx::Uuid = job_field(jobs[0], "lease_token").unwrap();
+    assert_eq!(complete(jobs[0], "w", token), "succeeded");
+    assert_eq!(claim_from("tenants").map(|(job, _)| job), Some(jobs[1]), "a's next job");
+    assert!(claim_from("tenants").is_none());
+    // A key's places are made when they are missing (its jobs enqueued while the limit was being
+    // set, say): the claim makes them.
+    Spi::run("DELETE FROM durable_jobs.durable_job_key_slot WHERE concurrency_key = 'b'").unwrap();
+    let token: pgrx::Uuid = job_field(jobs[2], "lease_token").unwrap();
+    assert_eq!(complete(jobs[2], "w", token), "succeeded");
+    assert_eq!(claim_from("tenants").map(|(job, _)| job), Some(jobs[4]), "b's next job");
+    // NULL lifts the limit; bad arguments are refused.
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', NULL)").unwrap();
+    for (statement, sqlstate) in [
+        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 0)", "22023"),
+        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1001)", "22023"),
+        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency(NULL, 1)", "22004"),
+        ("SELECT durable_jobs.enqueue_durable_job('k', '{}', concurrency_key => 'bad key')", "22023"),
+        ("SELECT durable_jobs.enqueue_durable_job('k', '{}', concurrency_key => '')", "22023"),
+    ] {
+        assert_rejected(statement, sqlstate);
+    }
+}
+
+#[pg_test]
+fn a_key_limit_counts_the_keys_jobs_across_enqueuers_and_batch_enqueues() {
+    // Jobs of one key enqueued by enqueue_durable_jobs and by enqueue_or_get_durable_job share
+    // the key's places: with a limit of 2, two run. Broken on purpose (the batch enqueue not
+    // writing the key), three ran.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 2);
+         SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{}', '{}']::jsonb[], queue_name => 'tenants',
+                                                  concurrency_key => 'acme');
+         SELECT durable_jobs.enqueue_or_get_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => 'acme');",
+    )
+    .unwrap();
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    assert_eq!(crate::jobs::lease::claim_jobs(installed, "w", None, None, 60, false, 10).len(), 2);
+    let keyed: i64 = one("SELECT count(*) FROM durable_jobs.durable_job WHERE concurrency_key = 'acme'");
+    assert_eq!(keyed, 3);
+}

@@ -197,7 +197,7 @@ fn a_caller_sees_only_the_jobs_of_roles_whose_privileges_it_has() {
         "CREATE ROLE dj_status_owner; CREATE ROLE dj_status_stranger; CREATE ROLE dj_status_team;
          GRANT dj_status_owner TO dj_status_team;
          GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_status_owner, dj_status_stranger, dj_status_team;
-         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                                    durable_jobs.get_durable_job(bigint),
                                    durable_jobs.list_durable_jobs(text, text[], text, integer, text)
              TO dj_status_owner, dj_status_stranger, dj_status_team;
@@ -571,7 +571,7 @@ fn replay_of_another_roles_job_is_answered_as_a_missing_one() {
     Spi::run(
         "CREATE ROLE dj_replay_owner; CREATE ROLE dj_replay_stranger;
          GRANT USAGE ON SCHEMA durable_jobs, tests TO dj_replay_owner, dj_replay_stranger;
-         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                                    durable_jobs.cancel_durable_job(bigint),
                                    durable_jobs.replay_durable_job(bigint, jsonb, integer)
              TO dj_replay_owner, dj_replay_stranger;

@@ -203,13 +203,14 @@ CREATE FUNCTION durable_jobs.enqueue_or_get_durable_job(
     queue_name pg_catalog.text DEFAULT 'default',
     run_after pg_catalog.timestamptz DEFAULT pg_catalog.now(),
     max_attempts pg_catalog.int4 DEFAULT NULL,
-    priority pg_catalog.int4 DEFAULT 0)
+    priority pg_catalog.int4 DEFAULT 0,
+    concurrency_key pg_catalog.text DEFAULT NULL)
     RETURNS TABLE (job_id pg_catalog.int8, created pg_catalog.bool)
     VOLATILE PARALLEL UNSAFE
     SET search_path TO pg_catalog, pg_temp
     LANGUAGE c
     AS 'MODULE_PATHNAME', 'enqueue_or_get_durable_job_wrapper';
-REVOKE ALL ON FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text) FROM PUBLIC;
 
 CREATE FUNCTION durable_jobs.diagnose_durable_job(job_id pg_catalog.int8)
     RETURNS TABLE (reason pg_catalog.text, detail pg_catalog.text)
@@ -248,6 +249,47 @@ REVOKE ALL ON FUNCTION durable_jobs.durable_job_take_queue_slot(pg_catalog.text,
 REVOKE ALL ON FUNCTION durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8) FROM PUBLIC;
 DROP FUNCTION durable_jobs.durable_job_queue_has_capacity(pg_catalog.text);
 
+-- Per-key concurrency: jobs carry a concurrency key, a queue may limit how many jobs of one key
+-- run at once, and each key has its places, as a limited queue has.
+ALTER TABLE durable_jobs.durable_job
+    ADD COLUMN concurrency_key pg_catalog.text,
+    ADD COLUMN key_slot pg_catalog.int4;
+CREATE INDEX durable_job_running_key_idx
+    ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
+    WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
+ALTER TABLE durable_jobs.durable_job_queue
+    ADD COLUMN key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000);
+-- A column added at the end: the view keeps its owner and its grants.
+CREATE OR REPLACE VIEW durable_jobs.durable_job_queue_controls AS
+WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit FROM q;
+CREATE TABLE durable_jobs.durable_job_key_slot (
+    queue_name      pg_catalog.text NOT NULL,
+    concurrency_key pg_catalog.text NOT NULL,
+    slot            pg_catalog.int4 NOT NULL,
+    PRIMARY KEY (queue_name, concurrency_key, slot)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_key_slot', '');
+REVOKE ALL ON durable_jobs.durable_job_key_slot FROM PUBLIC;
+CREATE FUNCTION durable_jobs.durable_job_take_key_slot(
+    queue pg_catalog.text, concurrency_key pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_key_slot';
+CREATE FUNCTION durable_jobs.durable_job_taken_key_slot(job_id pg_catalog.int8)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_taken_key_slot';
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_take_key_slot(pg_catalog.text, pg_catalog.text, pg_catalog.int8, pg_catalog.tid) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_taken_key_slot(pg_catalog.int8) FROM PUBLIC;
+CREATE FUNCTION durable_jobs.set_durable_job_queue_key_concurrency(
+    queue_name pg_catalog.text,
+    max_running_per_key pg_catalog.int4)
+    RETURNS void
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'set_durable_job_queue_key_concurrency_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.set_durable_job_queue_key_concurrency(pg_catalog.text, pg_catalog.int4) FROM PUBLIC;
+
 -- What an update creates belongs to the role that runs it, a superuser. After REASSIGN OWNED the
 -- extension may belong to another role, which the library's functions act as: the new members
 -- are handed to it, with the privileges they have then recorded as the extension's own, as a
@@ -264,10 +306,18 @@ BEGIN
                               extension_owner);
     EXECUTE pg_catalog.format(
         'ALTER FUNCTION durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
-        'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4) OWNER TO %s', extension_owner);
+        'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text) OWNER TO %s',
+        extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.forget_durable_job_attempts() OWNER TO %s',
                               extension_owner);
     EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_queue_slot OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_key_slot OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_take_key_slot(pg_catalog.text, pg_catalog.text, '
+                              'pg_catalog.int8, pg_catalog.tid) OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_taken_key_slot(pg_catalog.int8) OWNER TO %s',
+                              extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.set_durable_job_queue_key_concurrency(pg_catalog.text, '
+                              'pg_catalog.int4) OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid) '
                               'OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8) OWNER TO %s',
@@ -275,24 +325,29 @@ BEGIN
     UPDATE pg_catalog.pg_init_privs i SET initprivs = c.relacl
     FROM pg_catalog.pg_class c
     WHERE c.oid IN ('durable_jobs.durable_job_attempt'::pg_catalog.regclass,
-                    'durable_jobs.durable_job_queue_slot'::pg_catalog.regclass)
+                    'durable_jobs.durable_job_queue_slot'::pg_catalog.regclass,
+                    'durable_jobs.durable_job_key_slot'::pg_catalog.regclass)
       AND i.objoid = c.oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
     UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
     FROM pg_catalog.pg_proc p
     WHERE p.oid IN ('durable_jobs.get_durable_job_attempts(pg_catalog.int8)'::pg_catalog.regprocedure,
                     'durable_jobs.diagnose_durable_job(pg_catalog.int8)'::pg_catalog.regprocedure,
                     'durable_jobs.enqueue_or_get_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
-                    'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)'::pg_catalog.regprocedure,
+                    'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text)'::pg_catalog.regprocedure,
                     'durable_jobs.forget_durable_job_attempts()'::pg_catalog.regprocedure,
                     'durable_jobs.durable_job_take_queue_slot(pg_catalog.text, pg_catalog.int8, pg_catalog.tid)'::pg_catalog.regprocedure,
-                    'durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8)'::pg_catalog.regprocedure)
+                    'durable_jobs.durable_job_taken_queue_slot(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_take_key_slot(pg_catalog.text, pg_catalog.text, pg_catalog.int8, '
+                    'pg_catalog.tid)'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_taken_key_slot(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.set_durable_job_queue_key_concurrency(pg_catalog.text, pg_catalog.int4)'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;
 
--- fail_durable_job takes the worker's error text: the four-argument function is replaced (and
--- handed to the extension's owner, as above), and whoever could execute it may execute the new
--- one.
+-- fail_durable_job takes the worker's error text, and enqueue_durable_job and
+-- enqueue_durable_jobs a concurrency key: each old function is replaced (and handed to the
+-- extension's owner, as above), and whoever could execute it may execute the new one.
 CREATE FUNCTION durable_jobs.fail_durable_job(
     job_id pg_catalog.int8,
     worker_id pg_catalog.text,
@@ -305,39 +360,90 @@ CREATE FUNCTION durable_jobs.fail_durable_job(
     LANGUAGE c
     AS 'MODULE_PATHNAME', 'fail_durable_job_with_message_wrapper';
 REVOKE ALL ON FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) FROM PUBLIC;
+CREATE FUNCTION durable_jobs.enqueue_durable_job(
+    job_kind pg_catalog.text,
+    payload pg_catalog.jsonb,
+    idempotency_key pg_catalog.text DEFAULT NULL,
+    queue_name pg_catalog.text DEFAULT 'default',
+    run_after pg_catalog.timestamptz DEFAULT pg_catalog.now(),
+    max_attempts pg_catalog.int4 DEFAULT NULL,
+    priority pg_catalog.int4 DEFAULT 0,
+    concurrency_key pg_catalog.text DEFAULT NULL)
+    RETURNS pg_catalog.int8
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'enqueue_durable_job_with_concurrency_key_wrapper';
+CREATE FUNCTION durable_jobs.enqueue_durable_jobs(
+    job_kind pg_catalog.text,
+    payloads pg_catalog.jsonb[],
+    idempotency_keys pg_catalog.text[] DEFAULT NULL,
+    queue_name pg_catalog.text DEFAULT 'default',
+    run_after pg_catalog.timestamptz DEFAULT pg_catalog.now(),
+    max_attempts pg_catalog.int4 DEFAULT NULL,
+    priority pg_catalog.int4 DEFAULT 0,
+    concurrency_key pg_catalog.text DEFAULT NULL)
+    RETURNS SETOF pg_catalog.int8
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'enqueue_durable_jobs_with_concurrency_key_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.enqueue_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.enqueue_durable_jobs(pg_catalog.text, pg_catalog.jsonb[], pg_catalog.text[], pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text) FROM PUBLIC;
 DO $carry$
 DECLARE
-    old_routine pg_catalog.oid := 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)'::pg_catalog.regprocedure;
-    new_routine pg_catalog.oid := 'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure;
     owner pg_catalog.oid := (SELECT x.extowner FROM pg_catalog.pg_extension x WHERE x.extname = 'durable_jobs');
-    old_owner pg_catalog.oid := (SELECT p.proowner FROM pg_catalog.pg_proc p WHERE p.oid = old_routine);
+    pair record;
+    old_owner pg_catalog.oid;
     fresh_acl pg_catalog.aclitem[];
 BEGIN
-    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text) OWNER TO %s', owner::pg_catalog.regrole);
-    SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p WHERE p.oid = new_routine;
-    -- The old function's grants are copied as they are, each still made by the role that made it
-    -- (the owner's by the owner), so that who may revoke what stays as it was; no GRANT is run as
-    -- those roles. The roles they name depend on the new function as they did on the old one.
-    UPDATE pg_catalog.pg_proc p
-    SET proacl = (SELECT pg_catalog.array_agg(pg_catalog.makeaclitem(
-                             CASE a.grantee WHEN old_owner THEN owner ELSE a.grantee END,
-                             CASE a.grantor WHEN old_owner THEN owner ELSE a.grantor END,
-                             a.privilege_type, a.is_grantable))
-                  FROM pg_catalog.pg_proc o, pg_catalog.aclexplode(o.proacl) a
-                  WHERE o.oid = old_routine)
-    WHERE p.oid = new_routine
-      AND (SELECT o.proacl FROM pg_catalog.pg_proc o WHERE o.oid = old_routine) IS NOT NULL;
-    INSERT INTO pg_catalog.pg_shdepend (dbid, classid, objid, objsubid, refclassid, refobjid, deptype)
-    SELECT d.dbid, d.classid, new_routine, d.objsubid, d.refclassid, d.refobjid, d.deptype
-    FROM pg_catalog.pg_shdepend d
-    WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND d.objid = old_routine AND d.deptype = 'a'
-      AND d.dbid = (SELECT b.oid FROM pg_catalog.pg_database b WHERE b.datname = pg_catalog.current_database())
-      AND d.refobjid <> owner AND d.refobjid <> old_owner;
-    -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
-    -- leaves out: record the function's privileges as a fresh install has them, so that the
-    -- operators' grants stay theirs and are dumped.
-    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
-    WHERE objoid = new_routine AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+    FOR pair IN
+        SELECT o.routine::pg_catalog.regprocedure AS old_routine, n.routine::pg_catalog.regprocedure AS new_routine
+        FROM (VALUES
+            ('durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text)',
+             'durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text, pg_catalog.text)'),
+            ('durable_jobs.enqueue_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, '
+             'pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)',
+             'durable_jobs.enqueue_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, '
+             'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text)'),
+            ('durable_jobs.enqueue_durable_jobs(pg_catalog.text, pg_catalog.jsonb[], pg_catalog.text[], pg_catalog.text, '
+             'pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4)',
+             'durable_jobs.enqueue_durable_jobs(pg_catalog.text, pg_catalog.jsonb[], pg_catalog.text[], '
+             'pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4, pg_catalog.text)')
+        ) AS p(old_name, new_name),
+        LATERAL (SELECT p.old_name::pg_catalog.regprocedure::pg_catalog.oid) AS o(routine),
+        LATERAL (SELECT p.new_name::pg_catalog.regprocedure::pg_catalog.oid) AS n(routine)
+    LOOP
+        SELECT p.proowner INTO old_owner FROM pg_catalog.pg_proc p WHERE p.oid = pair.old_routine;
+        EXECUTE pg_catalog.format('ALTER FUNCTION %s OWNER TO %s', pair.new_routine, owner::pg_catalog.regrole);
+        SELECT p.proacl INTO fresh_acl FROM pg_catalog.pg_proc p WHERE p.oid = pair.new_routine;
+        -- The old function's grants are copied as they are, each still made by the role that made
+        -- it (the owner's by the owner), so that who may revoke what stays as it was; no GRANT is
+        -- run as those roles. The roles they name depend on the new function as they did on the
+        -- old one.
+        UPDATE pg_catalog.pg_proc p
+        SET proacl = (SELECT pg_catalog.array_agg(pg_catalog.makeaclitem(
+                                 CASE a.grantee WHEN old_owner THEN owner ELSE a.grantee END,
+                                 CASE a.grantor WHEN old_owner THEN owner ELSE a.grantor END,
+                                 a.privilege_type, a.is_grantable))
+                      FROM pg_catalog.pg_proc o, pg_catalog.aclexplode(o.proacl) a
+                      WHERE o.oid = pair.old_routine)
+        WHERE p.oid = pair.new_routine
+          AND (SELECT o.proacl FROM pg_catalog.pg_proc o WHERE o.oid = pair.old_routine) IS NOT NULL;
+        INSERT INTO pg_catalog.pg_shdepend (dbid, classid, objid, objsubid, refclassid, refobjid, deptype)
+        SELECT d.dbid, d.classid, pair.new_routine, d.objsubid, d.refclassid, d.refobjid, d.deptype
+        FROM pg_catalog.pg_shdepend d
+        WHERE d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND d.objid = pair.old_routine AND d.deptype = 'a'
+          AND d.dbid = (SELECT b.oid FROM pg_catalog.pg_database b WHERE b.datname = pg_catalog.current_database())
+          AND d.refobjid <> owner AND d.refobjid <> old_owner;
+        -- A GRANT in an extension script counts as the extension's own privilege, which pg_dump
+        -- leaves out: record the function's privileges as a fresh install has them, so that the
+        -- operators' grants stay theirs and are dumped.
+        UPDATE pg_catalog.pg_init_privs SET initprivs = fresh_acl
+        WHERE objoid = pair.new_routine AND classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND objsubid = 0;
+    END LOOP;
 END
 $carry$;
 DROP FUNCTION durable_jobs.fail_durable_job(pg_catalog.int8, pg_catalog.text, pg_catalog.uuid, pg_catalog.text);
+DROP FUNCTION durable_jobs.enqueue_durable_job(pg_catalog.text, pg_catalog.jsonb, pg_catalog.text, pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4);
+DROP FUNCTION durable_jobs.enqueue_durable_jobs(pg_catalog.text, pg_catalog.jsonb[], pg_catalog.text[], pg_catalog.text, pg_catalog.timestamptz, pg_catalog.int4, pg_catalog.int4);

@@ -8,7 +8,9 @@ CREATE TABLE durable_jobs.durable_job_queue (
     -- row another transaction holds); NULL: no limit.
     concurrency_limit pg_catalog.int4 CHECK (concurrency_limit BETWEEN 1 AND 100000),
     changed_by        pg_catalog.name NOT NULL,
-    changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now()
+    changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- At most this many jobs of one concurrency_key run at once; NULL: no limit.
+    key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000)
 );
 
 -- Queue controls are the operator's data: pg_dump dumps them.
@@ -48,6 +50,17 @@ CREATE TABLE durable_jobs.durable_job_queue_slot (
 );
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_queue_slot', '');
 
+-- The places of each key of a queue with a per-key limit, 1 to the limit, as for queues. Made
+-- with a key's jobs: by their enqueue, by set_durable_job_queue_key_concurrency, or by the claim
+-- that finds them missing.
+CREATE TABLE durable_jobs.durable_job_key_slot (
+    queue_name      pg_catalog.text NOT NULL,
+    concurrency_key pg_catalog.text NOT NULL,
+    slot            pg_catalog.int4 NOT NULL,
+    PRIMARY KEY (queue_name, concurrency_key, slot)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_key_slot', '');
+
 -- A free place of a limited queue for a job a claim is about to take, locked to the end of the
 -- claiming transaction; NULL when every place is taken or locked by another claim, or when jobs
 -- run outside the places (started before the limit was set, or above a lowered limit). C
@@ -60,6 +73,14 @@ CREATE FUNCTION durable_jobs.durable_job_take_queue_slot(
 CREATE FUNCTION durable_jobs.durable_job_taken_queue_slot(job_id pg_catalog.int8)
     RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
     AS 'MODULE_PATHNAME', 'durable_job_taken_queue_slot';
+-- The same for a place of the job's key, in a queue with a per-key limit.
+CREATE FUNCTION durable_jobs.durable_job_take_key_slot(
+    queue pg_catalog.text, concurrency_key pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_key_slot';
+CREATE FUNCTION durable_jobs.durable_job_taken_key_slot(job_id pg_catalog.int8)
+    RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_taken_key_slot';
 
 -- Per queue and state: how many jobs, how long the oldest ready job has waited, and how many
 -- running jobs hold an expired lease (their worker died or stalled).
@@ -114,4 +135,4 @@ FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 
 CREATE VIEW durable_jobs.durable_job_queue_controls AS
 WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
-SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at FROM q;
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit FROM q;

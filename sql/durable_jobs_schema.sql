@@ -90,6 +90,10 @@ CREATE TABLE durable_jobs.durable_job (
     -- The place the job's latest run took in its queue's concurrency limit (durable_job_queue_slot);
     -- NULL when the queue had no limit when the job started.
     queue_slot        pg_catalog.int4,
+    -- Jobs of one key run at most the queue's key_concurrency_limit at once; key_slot: the place
+    -- of its key the job's latest run took (durable_job_key_slot).
+    concurrency_key   pg_catalog.text,
+    key_slot          pg_catalog.int4,
 
     CONSTRAINT durable_job_state_known CHECK (durable_jobs.durable_job_state_known(job_state)),
     CONSTRAINT durable_job_names_not_empty CHECK (durable_jobs.durable_job_names_not_empty(queue_name, job_kind)),
@@ -154,6 +158,11 @@ CREATE INDEX durable_job_running_listing_idx
 CREATE INDEX durable_job_running_queue_idx
     ON durable_jobs.durable_job (queue_name, queue_slot)
     WHERE job_state = 'running';
+
+-- Running jobs of a key: which places of the key are taken (durable_job_take_key_slot).
+CREATE INDEX durable_job_running_key_idx
+    ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
+    WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
 
 -- Finished jobs by age, for the retention pruning of the background workers.
 CREATE INDEX durable_job_finished_idx

@@ -44,7 +44,7 @@ fn a_producer_whose_handler_fails(cluster: &Cluster) -> i64 {
             "CREATE ROLE app_producer LOGIN;  CREATE ROLE app_member LOGIN;  CREATE ROLE app_stranger LOGIN;
              GRANT app_producer TO app_member;
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, app_member, app_stranger;
-             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                  durable_jobs.register_durable_job_handler(text, regprocedure),
                  durable_jobs.wait_for_durable_job(bigint, bigint, double precision),
                  durable_jobs.get_durable_job(bigint), durable_jobs.get_durable_job_attempts(bigint)
@@ -250,7 +250,7 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
             "CREATE ROLE app_group NOLOGIN;  CREATE ROLE app_member LOGIN IN ROLE app_group;
              CREATE ROLE app_producer LOGIN;  CREATE ROLE app_stranger LOGIN;
              GRANT USAGE ON SCHEMA durable_jobs TO app_group, app_member, app_producer, app_stranger;
-             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+             GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                  durable_jobs.register_durable_job_handler(text, regprocedure),
                  durable_jobs.diagnose_durable_job(bigint)
                TO app_group, app_member, app_producer, app_stranger;
@@ -265,7 +265,8 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
              CREATE FUNCTION hidden.work(payload jsonb) RETURNS void LANGUAGE sql AS $$ SELECT $$;
              SELECT durable_jobs.register_durable_job_handler('hidden_work', 'hidden.work(jsonb)');
              SELECT durable_jobs.pause_durable_job_queue('paused');
-             SELECT durable_jobs.set_durable_job_queue_concurrency('narrow', 1);",
+             SELECT durable_jobs.set_durable_job_queue_concurrency('narrow', 1);
+             SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);",
         )
         .unwrap();
     let mut member = cluster.connect_as("app_member");
@@ -301,6 +302,17 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
         .collect();
     let running = harness::claim_from(&mut admin, "worker-1", "narrow", 600).expect("a job of queue narrow");
     assert_eq!(running.job_id, narrow[0]);
+    let acme: Vec<i64> = (0..2)
+        .map(|_| {
+            enqueue_as(
+                &mut producer,
+                "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'tenants',
+                                                         concurrency_key => 'acme')",
+            )
+        })
+        .collect();
+    let acme_running = harness::claim_from(&mut admin, "worker-1", "tenants", 600).expect("acme's first job");
+    assert_eq!(acme_running.job_id, acme[0]);
     let done = enqueue_as(
         &mut admin,
         "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'done')",
@@ -353,6 +365,20 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
         narrow[1],
         "queue_at_concurrency_limit",
         "runs as many jobs as its concurrency limit"
+    ));
+    // Failed before the reason existed: only no_handler was given.
+    assert_eq!(reasons(&mut producer, acme[1]), ["key_at_concurrency_limit", "no_handler"]);
+    assert!(told(
+        &mut admin,
+        acme[1],
+        "key_at_concurrency_limit",
+        "concurrency key acme runs 1 jobs in queue tenants"
+    ));
+    assert!(told(
+        &mut producer,
+        acme[1],
+        "key_at_concurrency_limit",
+        "runs as many jobs as the limit per key of queue tenants"
     ));
     assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
     assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));

@@ -110,7 +110,7 @@ fn each_documented_error_maps_to_its_status() {
             "CREATE ROLE app_producer LOGIN;  CREATE ROLE app_other LOGIN;  CREATE ROLE app_nobody LOGIN;
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, app_other, app_nobody;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_or_get_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_or_get_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                  durable_jobs.get_durable_job(bigint), durable_jobs.cancel_durable_job(bigint),
                  durable_jobs.replay_durable_job(bigint, jsonb, integer),
                  durable_jobs.wait_for_durable_job(bigint, bigint, double precision),
@@ -197,7 +197,7 @@ fn another_roles_job_is_a_404_on_every_verb() {
             "CREATE ROLE app_producer LOGIN;  CREATE ROLE app_other LOGIN;
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, app_other;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_or_get_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_or_get_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                  durable_jobs.get_durable_job(bigint), durable_jobs.cancel_durable_job(bigint),
                  durable_jobs.replay_durable_job(bigint, jsonb, integer),
                  durable_jobs.get_durable_job_attempts(bigint), durable_jobs.diagnose_durable_job(bigint)

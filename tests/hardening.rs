@@ -16,7 +16,7 @@ const APP_ROLES: &str = "
     CREATE ROLE app_b LOGIN;
     GRANT USAGE ON SCHEMA durable_jobs TO app_a, app_b;
     GRANT EXECUTE ON FUNCTION
-        durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+        durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
         durable_jobs.register_durable_job_handler(text, regprocedure)
       TO app_a, app_b;
     GRANT CREATE ON SCHEMA public TO app_a, app_b;";
@@ -2152,7 +2152,7 @@ fn jobs_of_new_roles_that_took_the_bound_roles_names(
                  CREATE ROLE {role} LOGIN;
                  GRANT USAGE ON SCHEMA durable_jobs TO {role};
                  GRANT EXECUTE ON FUNCTION
-                     durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer)
+                     durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text)
                    TO {role};"
             ))
             .unwrap();

@@ -252,8 +252,8 @@ fn documented_roles_can_do_exactly_their_part() {
              CREATE ROLE nobody LOGIN;
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, other_producer, app_worker;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
-                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer, text),
                  durable_jobs.cancel_durable_job(bigint)
                TO app_producer, other_producer;
              GRANT EXECUTE ON FUNCTION

@@ -147,8 +147,8 @@ fn an_administrator_granted_the_producers_role_serves_its_jobs() {
              CREATE SCHEMA app AUTHORIZATION app_admin;
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer, app_admin, app_stranger;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
-                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer, text),
                  durable_jobs.get_durable_job(bigint)
                TO app_producer, app_stranger;
              GRANT EXECUTE ON FUNCTION durable_jobs.register_durable_job_handler(text, regprocedure) TO app_admin;",
@@ -224,7 +224,7 @@ fn a_membership_revoked_while_a_batch_runs_gives_its_later_jobs_back() {
              GRANT rv_producer TO rv_admin;
              GRANT USAGE ON SCHEMA durable_jobs TO rv_producer, rv_admin;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer)
+                 durable_jobs.enqueue_durable_jobs(text, jsonb[], text[], text, timestamptz, integer, integer, text)
                TO rv_producer;
              GRANT EXECUTE ON FUNCTION durable_jobs.register_durable_job_handler(text, regprocedure) TO rv_admin;
              CREATE TABLE public.rv_done (n integer);

@@ -169,12 +169,12 @@ fn all_jobs(client: &mut impl GenericClient) -> Vec<String> {
 }
 
 /// The operator's own setup: roles and grants, which an update must keep.
-// The claim's signature changes in 0.4.0: an update keeps the grants given on it (the catalog
+// The claim's signature changes in 0.4.0, the enqueue's in 0.6.0: an update keeps the grants given
+// on them, here by name alone, as in either version (the catalog
 // comparison sees its ACL and what pg_dump takes as the extension's own privileges).
 const OPERATOR_GRANTS: &str = "
     GRANT USAGE ON SCHEMA durable_jobs TO upgrade_producer;
-    GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz,
-                                                              integer, integer) TO upgrade_producer;
+    GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job TO upgrade_producer;
     GRANT EXECUTE ON FUNCTION durable_jobs.claim_next_durable_job TO upgrade_producer WITH GRANT OPTION;";
 
 fn create_database(cluster: &Cluster, name: &str) -> Client {

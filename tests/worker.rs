@@ -515,7 +515,7 @@ fn handlers_run_with_the_enqueuing_roles_rights_only() {
              INSERT INTO public.secret VALUES ('top secret');
              GRANT USAGE ON SCHEMA durable_jobs TO app_producer;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer),
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text),
                  durable_jobs.register_durable_job_handler(text, regprocedure)
                TO app_producer;
              -- A superuser's handler that app_producer may not execute.
@@ -619,7 +619,7 @@ fn record_n_after_a_change_mid_batch(
             "CREATE ROLE dj_enqueuer LOGIN; CREATE ROLE dj_stranger;
              GRANT USAGE ON SCHEMA durable_jobs TO dj_enqueuer;
              GRANT EXECUTE ON FUNCTION
-                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer)
+                 durable_jobs.enqueue_durable_job(text, jsonb, text, text, timestamptz, integer, integer, text)
                TO dj_enqueuer;
              CREATE TABLE public.effects (n integer);
              GRANT INSERT ON public.effects TO PUBLIC;
@@ -1742,6 +1742,43 @@ fn the_worker_honours_a_queue_concurrency_limit_in_batches() {
     let highest: i64 = client.query_one("SELECT max(running) FROM public.effects", &[]).unwrap().get(0);
     assert_eq!(highest, 1);
     assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.effects"), 40);
+}
+
+/// A limit of one job per key, two workers claiming batches of ten: each handler sees only its
+/// own job of its key running, while the other keys' jobs run beside it, and every job runs.
+/// Failed with the claim's key condition removed (two jobs of a key ran at once).
+#[test]
+fn the_worker_runs_one_job_per_key_at_a_time_and_other_keys_beside_it() {
+    let cluster = Cluster::start(&format!(
+        "{WORKER_CONF}durable_jobs.worker_count = 2\ndurable_jobs.claim_batch_size = 10\n"
+    ));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(
+            "CREATE TABLE public.effects (key text, running bigint, others bigint);
+             -- How many jobs of its key, and of other keys, ran while it ran.
+             CREATE FUNCTION public.note_key(payload jsonb) RETURNS void LANGUAGE sql AS $$
+                 INSERT INTO public.effects
+                 SELECT $1->>'key',
+                        count(*) FILTER (WHERE concurrency_key = $1->>'key'),
+                        count(*) FILTER (WHERE concurrency_key <> $1->>'key')
+                 FROM durable_jobs.durable_job
+                 WHERE queue_name = 'tenants' AND job_state = 'running'
+                   AND lease_expires_at > clock_timestamp() $$;
+             SELECT durable_jobs.register_durable_job_handler('note_key', 'public.note_key(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);
+             SELECT count(*) FROM unnest(ARRAY['acme', 'globex', 'initech']) k,
+                 LATERAL durable_jobs.enqueue_durable_jobs('note_key',
+                     ARRAY(SELECT jsonb_build_object('key', k) FROM generate_series(1, 10)), NULL, 'tenants',
+                     concurrency_key => k);",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(60), "30 keyed jobs to run", || {
+        jobs_in_state(&mut client, "succeeded") == 30
+    });
+    let highest: i64 = client.query_one("SELECT max(running) FROM public.effects", &[]).unwrap().get(0);
+    assert_eq!(highest, 1, "one job of a key at a time");
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 30);
 }
 
 /// A queue limited to 2, one of whose jobs an external worker claimed in a transaction it keeps

@@ -31,7 +31,14 @@ const JOB_AND_SURROUNDINGS: &str = concat!(
            pg_catalog.current_database()::pg_catalog.text,
            $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_queue_controls', 'SELECT'),
            $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_handlers', 'SELECT'),
-           $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_queue_summary', 'SELECT')
+           $2 OR pg_catalog.has_table_privilege($3, 'durable_jobs.durable_job_queue_summary', 'SELECT'),
+           j.concurrency_key, q.key_concurrency_limit,
+           CASE WHEN j.concurrency_key IS NOT NULL AND q.key_concurrency_limit IS NOT NULL
+                THEN (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job r
+                      WHERE r.queue_name = j.queue_name AND r.concurrency_key = j.concurrency_key
+                        AND r.job_state = 'running'
+                        AND (r.lease_expires_at > pg_catalog.clock_timestamp()
+                             OR durable_jobs.durable_job_row_held(r.ctid))) END
     FROM durable_jobs.durable_job j
     LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
@@ -66,6 +73,9 @@ struct Job {
     reads_controls: bool,
     reads_handlers: bool,
     reads_summary: bool,
+    concurrency_key: Option<String>,
+    key_limit: Option<i32>,
+    key_running: Option<i64>,
 }
 
 type Reason = (&'static str, String);
@@ -104,6 +114,9 @@ fn reasons_for(job_id: i64) -> Vec<Reason> {
                 reads_controls: row.get(22).unwrap().unwrap_or(false),
                 reads_handlers: row.get(23).unwrap().unwrap_or(false),
                 reads_summary: row.get(24).unwrap().unwrap_or(false),
+                concurrency_key: row.get(25).unwrap(),
+                key_limit: row.get(26).unwrap(),
+                key_running: row.get(27).unwrap(),
             })
         });
         job.map(|job| diagnose(&job)).unwrap_or_default()
@@ -276,7 +289,23 @@ fn queue_reasons(job: &Job, reasons: &mut Vec<Reason>) -> bool {
         };
         reasons.push(("queue_at_concurrency_limit", detail));
     }
-    !job.paused && !full
+    // Other roles' jobs may share the key: their count only to who reads the queue summary.
+    let key_full = matches!((job.key_limit, job.key_running), (Some(limit), Some(running)) if running >= i64::from(limit));
+    if key_full {
+        let key = job.concurrency_key.as_deref().unwrap_or_default();
+        let detail = match job.reads_summary {
+            true => format!(
+                "concurrency key {key} runs {} jobs in queue {}, the queue's limit per key",
+                job.key_running.unwrap_or_default(),
+                job.queue
+            ),
+            false => {
+                format!("concurrency key {key} runs as many jobs as the limit per key of queue {}", job.queue)
+            }
+        };
+        reasons.push(("key_at_concurrency_limit", detail));
+    }
+    !job.paused && !full && !key_full
 }
 
 #[pg_extern(volatile, parallel_unsafe, requires = ["status"])]

@@ -1,9 +1,10 @@
 //! enqueue_durable_job, enqueue_or_get_durable_job and enqueue_durable_jobs: validated inserts,
-//! with idempotency keys that outlive the payload. (A little over 400 lines: the three share the
-//! job template and its one idempotent insert.)
+//! with idempotency keys that outlive the payload. (Some 500 lines: the three share the job
+//! template and its one idempotent insert, and each is kept for schemas before 0.6.0 too.)
 
 use crate::jobs::arguments;
 use crate::jobs::direct_lease;
+use crate::jobs::slots;
 use crate::pg::plans;
 use crate::pg::privilege::{as_extension_owner_of, caller, Installed};
 use crate::pg::sql_types::{JsonbArray, JsonbDatum};
@@ -19,29 +20,36 @@ use std::time::Instant;
 // Keys are unique per queue and enqueuing role, so one role learns nothing of another's jobs.
 // No conflict target: the same statement works against the 0.2.0 index (per queue), which a
 // database keeps until ALTER EXTENSION durable_jobs UPDATE.
+// A job with a concurrency key adds its column; its value is the statement's last parameter.
 macro_rules! job_columns {
-    () => {
-        "queue_name, job_kind, payload, idempotency_key, payload_sha256,
-                 priority, run_after, max_attempts, enqueued_by"
+    ($key_column:literal) => {
+        concat!(
+            "queue_name, job_kind, payload, idempotency_key, payload_sha256,
+                 priority, run_after, max_attempts, enqueued_by",
+            $key_column
+        )
     };
 }
 macro_rules! job_values {
-    () => {
-        "$1, $2, $3, $4,
+    ($key_value:literal) => {
+        concat!(
+            "$1, $2, $3, $4,
                    CASE WHEN $4 IS NULL AND NOT $9 THEN NULL
                         ELSE pg_catalog.sha256(pg_catalog.convert_to($3::pg_catalog.text, 'UTF8')) END,
-                   $5, $6, $7, $8::pg_catalog.name"
+                   $5, $6, $7, $8::pg_catalog.name",
+            $key_value
+        )
     };
 }
 macro_rules! insert_job {
-    ($on_conflict:literal) => {
+    ($on_conflict:literal, $key_column:literal, $key_value:literal) => {
         concat!(
             "
             INSERT INTO durable_jobs.durable_job (",
-            job_columns!(),
+            job_columns!($key_column),
             ")
             VALUES (",
-            job_values!(),
+            job_values!($key_value),
             ")",
             $on_conflict,
             "
@@ -49,26 +57,31 @@ macro_rules! insert_job {
         )
     };
 }
-const INSERT_JOB: &str = insert_job!(" ON CONFLICT DO NOTHING");
+const INSERT_JOB: &str = insert_job!(" ON CONFLICT DO NOTHING", "", "");
 // Without a key a job conflicts with none (its id is drawn from the identity): a plain insert,
 // without ON CONFLICT's speculative insertion and the WAL record that confirms it.
-const INSERT_JOB_WITHOUT_KEY: &str = insert_job!("");
+const INSERT_JOB_WITHOUT_KEY: &str = insert_job!("", "", "");
+// With a concurrency key, $10 (schemas from 0.6.0 on).
+const INSERT_CONCURRENCY_KEYED_JOB: &str =
+    insert_job!(" ON CONFLICT DO NOTHING", ", concurrency_key", ", $10");
+const INSERT_CONCURRENCY_KEYED_JOB_WITHOUT_KEY: &str = insert_job!("", ", concurrency_key", ", $10");
 
 // The same job leased to a sleeping worker ($10 its id, $11 the lease token, $12 the lease in
 // seconds) when the worker's claim would take it now: due, in a queue neither paused nor
-// limited, of a kind whose handler serves its enqueuer (as CLAIM_FOR_WORKER asks); otherwise
-// available, as INSERT_JOB makes it. Written as a claim writes it (see `direct_lease`).
+// limited (nor, for a job with a concurrency key, $13, limited per key), of a kind whose handler
+// serves its enqueuer (as CLAIM_FOR_WORKER asks); otherwise available, as INSERT_JOB makes it.
+// Written as a claim writes it (see `direct_lease`).
 macro_rules! insert_leased_job {
-    ($on_conflict:literal) => {
+    ($on_conflict:literal, $key_column:literal, $key_value:literal, $key_limit:literal) => {
         concat!(
             "
             INSERT INTO durable_jobs.durable_job (",
-            job_columns!(),
+            job_columns!($key_column),
             ",
                  job_state, lease_owner, lease_token, lease_expires_at, attempt_count, state_version,
                  attempt_started_at, attempt_worker_id)
             SELECT ",
-            job_values!(),
+            job_values!($key_value),
             ",
                    CASE WHEN claimable THEN 'running' ELSE 'available' END,
                    CASE WHEN claimable THEN $10 END,
@@ -82,7 +95,9 @@ macro_rules! insert_leased_job {
             FROM (SELECT $6 <= pg_catalog.clock_timestamp()
                          AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
                                          WHERE q.queue_name = $1
-                                           AND (q.paused OR q.concurrency_limit IS NOT NULL))
+                                           AND (q.paused OR q.concurrency_limit IS NOT NULL",
+            $key_limit,
+            "))
                          AND EXISTS (SELECT 1 FROM durable_jobs.durable_job_handler h
                                      WHERE h.job_kind = $2 AND ",
             crate::registration_serves!("h.registered_by", "$8::pg_catalog.name"),
@@ -94,8 +109,16 @@ macro_rules! insert_leased_job {
         )
     };
 }
-const INSERT_LEASED_JOB: &str = insert_leased_job!(" ON CONFLICT DO NOTHING");
-const INSERT_LEASED_JOB_WITHOUT_KEY: &str = insert_leased_job!("");
+const INSERT_LEASED_JOB: &str = insert_leased_job!(" ON CONFLICT DO NOTHING", "", "", "");
+const INSERT_LEASED_JOB_WITHOUT_KEY: &str = insert_leased_job!("", "", "", "");
+const INSERT_LEASED_CONCURRENCY_KEYED_JOB: &str = insert_leased_job!(
+    " ON CONFLICT DO NOTHING",
+    ", concurrency_key",
+    ", $13",
+    " OR q.key_concurrency_limit IS NOT NULL"
+);
+const INSERT_LEASED_CONCURRENCY_KEYED_JOB_WITHOUT_KEY: &str =
+    insert_leased_job!("", ", concurrency_key", ", $13", " OR q.key_concurrency_limit IS NOT NULL");
 
 // The caller's own job first; another role's only under the 0.2.0 index.
 const FIND_BY_KEY: &str = "
@@ -117,18 +140,31 @@ const FIND_OWN_BY_KEY: &str = "
     WHERE queue_name = $1 AND idempotency_key = $2 AND enqueued_by = $5::pg_catalog.name";
 
 // Identity values follow insertion order, and rows are inserted in array order, so sorting by
-// job_id returns the ids in the order of the payloads. $8 as $9 of INSERT_JOB.
-const INSERT_JOBS: &str = "
+// job_id returns the ids in the order of the payloads. $8 as $9 of INSERT_JOB; with a
+// concurrency key, $9.
+macro_rules! insert_jobs {
+    ($key_column:literal, $key_value:literal) => {
+        concat!(
+            "
     WITH inserted AS (
         INSERT INTO durable_jobs.durable_job
-            (queue_name, job_kind, payload, payload_sha256, priority, run_after, max_attempts, enqueued_by)
+            (queue_name, job_kind, payload, payload_sha256, priority, run_after, max_attempts, enqueued_by",
+            $key_column,
+            ")
         SELECT $1, $2, p.payload,
                CASE WHEN $8 THEN pg_catalog.sha256(pg_catalog.convert_to(p.payload::pg_catalog.text, 'UTF8')) END,
-               $4, $5, $6, $7::pg_catalog.name
+               $4, $5, $6, $7::pg_catalog.name",
+            $key_value,
+            "
         FROM pg_catalog.unnest($3::pg_catalog.jsonb[]) WITH ORDINALITY AS p(payload, position)
         ORDER BY p.position
         RETURNING job_id)
-    SELECT job_id FROM inserted ORDER BY job_id";
+    SELECT job_id FROM inserted ORDER BY job_id"
+        )
+    };
+}
+const INSERT_JOBS: &str = insert_jobs!("", "");
+const INSERT_CONCURRENCY_KEYED_JOBS: &str = insert_jobs!(", concurrency_key", ", $9");
 
 // (elements, NULL elements, largest element in bytes)
 const DESCRIBE_PAYLOADS: &str = "
@@ -144,6 +180,7 @@ struct JobTemplate {
     max_attempts: i32,
     priority: i32,
     enqueued_by: String,
+    concurrency_key: Option<String>,
 }
 
 impl JobTemplate {
@@ -153,8 +190,10 @@ impl JobTemplate {
         run_after: Option<TimestampWithTimeZone>,
         max_attempts: Option<i32>,
         priority: Option<i32>,
+        concurrency_key: Option<String>,
     ) -> JobTemplate {
         JobTemplate {
+            concurrency_key: concurrency_key.map(|key| arguments::name(Some(key), "concurrency_key")),
             job_kind: arguments::name(job_kind, "job_kind"),
             queue_name: arguments::name(queue_name, "queue_name"),
             run_after: arguments::run_after(run_after),
@@ -198,14 +237,18 @@ impl JobTemplate {
         let lease = direct_lease::lease_for_next_insert(installed.at_library_version);
         if let Some(lease) = lease {
             let (leased_at, inserted) = (unsafe { pgrx::pg_sys::GetCurrentTimestamp() }, Instant::now());
-            let statement =
-                if idempotency_key.is_some() { INSERT_LEASED_JOB } else { INSERT_LEASED_JOB_WITHOUT_KEY };
+            let statement = match (idempotency_key.is_some(), self.concurrency_key.is_some()) {
+                (true, false) => INSERT_LEASED_JOB,
+                (false, false) => INSERT_LEASED_JOB_WITHOUT_KEY,
+                (true, true) => INSERT_LEASED_CONCURRENCY_KEYED_JOB,
+                (false, true) => INSERT_LEASED_CONCURRENCY_KEYED_JOB_WITHOUT_KEY,
+            };
             let lease_args = [
                 lease.worker_id.as_str().into(),
                 lease.lease_token.into(),
                 f64::from(lease.lease_seconds).into(),
             ];
-            let args: Vec<DatumWithOid> = args.into_iter().chain(lease_args).collect();
+            let args: Vec<DatumWithOid> = args.into_iter().chain(lease_args).chain(self.key_arg()).collect();
             let rows = plans::execute(client, statement, &args);
             let row = (!rows.is_empty()).then(|| rows.first().get_two::<i64, bool>().expect("job_id"));
             match row {
@@ -215,14 +258,22 @@ impl JobTemplate {
                 }
                 Some((Some(job_id), _)) => {
                     direct_lease::not_leased();
+                    self.make_key_places(client);
                     return (job_id, true);
                 }
                 _ => direct_lease::not_leased(),
             }
         } else {
-            let statement = if idempotency_key.is_some() { INSERT_JOB } else { INSERT_JOB_WITHOUT_KEY };
+            let statement = match (idempotency_key.is_some(), self.concurrency_key.is_some()) {
+                (true, false) => INSERT_JOB,
+                (false, false) => INSERT_JOB_WITHOUT_KEY,
+                (true, true) => INSERT_CONCURRENCY_KEYED_JOB,
+                (false, true) => INSERT_CONCURRENCY_KEYED_JOB_WITHOUT_KEY,
+            };
+            let args: Vec<DatumWithOid> = args.into_iter().chain(self.key_arg()).collect();
             let inserted = plans::execute(client, statement, &args);
             if !inserted.is_empty() {
+                self.make_key_places(client);
                 return (inserted.first().get_one::<i64>().expect("job_id").expect("job_id"), true);
             }
         }
@@ -239,6 +290,23 @@ impl JobTemplate {
                     "the job holding this idempotency_key was removed concurrently; retry the enqueue"
                 );
             }
+        }
+    }
+
+    /// The concurrency key as the last parameter of a statement, if the jobs have one.
+    fn key_arg(&self) -> Option<DatumWithOid<'_>> {
+        self.concurrency_key.as_deref().map(DatumWithOid::from)
+    }
+
+    /// The places of the jobs' concurrency key, when their queue limits each key and they are
+    /// missing (`jobs::slots`), so that the key's claims find them.
+    fn make_key_places(&self, client: &mut SpiClient) {
+        if let Some(key) = &self.concurrency_key {
+            plans::execute(
+                client,
+                slots::MAKE_KEY_PLACES,
+                &[self.queue_name.as_str().into(), key.as_str().into()],
+            );
         }
     }
 
@@ -302,9 +370,12 @@ pub fn check_payload_size(size: usize) {
     }
 }
 
-#[pg_extern(volatile, parallel_unsafe)]
+/// enqueue_durable_job with a concurrency key (from 0.6.0 on). A new C symbol, since a schema
+/// from before keeps calling the seven-argument one.
+#[pg_extern(volatile, parallel_unsafe, name = "enqueue_durable_job")]
 #[search_path(pg_catalog, pg_temp)]
-fn enqueue_durable_job(
+#[allow(clippy::too_many_arguments)]
+fn enqueue_durable_job_with_concurrency_key(
     job_kind: Option<String>,
     payload: Option<JsonbDatum>,
     idempotency_key: default!(Option<String>, "NULL"),
@@ -312,8 +383,25 @@ fn enqueue_durable_job(
     run_after: default!(Option<TimestampWithTimeZone>, "now()"),
     max_attempts: default!(Option<i32>, "NULL"),
     priority: default!(Option<i32>, "0"),
+    concurrency_key: default!(Option<String>, "NULL"),
 ) -> i64 {
-    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority, concurrency_key);
+    enqueue_one(template, payload, idempotency_key).0
+}
+
+/// The enqueue of schemas before 0.6.0, which this library serves until ALTER EXTENSION
+/// durable_jobs UPDATE; not part of the 0.6.0 schema.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn enqueue_durable_job(
+    job_kind: Option<String>,
+    payload: Option<JsonbDatum>,
+    idempotency_key: Option<String>,
+    queue_name: Option<String>,
+    run_after: Option<TimestampWithTimeZone>,
+    max_attempts: Option<i32>,
+    priority: Option<i32>,
+) -> i64 {
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority, None);
     enqueue_one(template, payload, idempotency_key).0
 }
 
@@ -321,6 +409,7 @@ fn enqueue_durable_job(
 /// already existed (what an HTTP gateway answers with 201 or 200).
 #[pg_extern(volatile, parallel_unsafe)]
 #[search_path(pg_catalog, pg_temp)]
+#[allow(clippy::too_many_arguments)]
 fn enqueue_or_get_durable_job(
     job_kind: Option<String>,
     payload: Option<JsonbDatum>,
@@ -329,8 +418,9 @@ fn enqueue_or_get_durable_job(
     run_after: default!(Option<TimestampWithTimeZone>, "now()"),
     max_attempts: default!(Option<i32>, "NULL"),
     priority: default!(Option<i32>, "0"),
+    concurrency_key: default!(Option<String>, "NULL"),
 ) -> TableIterator<'static, (name!(job_id, i64), name!(created, bool))> {
-    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority, concurrency_key);
     TableIterator::once(enqueue_one(template, payload, idempotency_key))
 }
 
@@ -352,9 +442,12 @@ fn enqueue_one(
     enqueued
 }
 
-#[pg_extern(volatile, parallel_unsafe)]
+/// enqueue_durable_jobs with a concurrency key for all its jobs (from 0.6.0 on); a new C symbol,
+/// as for enqueue_durable_job.
+#[pg_extern(volatile, parallel_unsafe, name = "enqueue_durable_jobs")]
 #[search_path(pg_catalog, pg_temp)]
-fn enqueue_durable_jobs(
+#[allow(clippy::too_many_arguments)]
+fn enqueue_durable_jobs_with_concurrency_key(
     job_kind: Option<String>,
     payloads: Option<JsonbArray>,
     idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
@@ -362,8 +455,32 @@ fn enqueue_durable_jobs(
     run_after: default!(Option<TimestampWithTimeZone>, "now()"),
     max_attempts: default!(Option<i32>, "NULL"),
     priority: default!(Option<i32>, "0"),
+    concurrency_key: default!(Option<String>, "NULL"),
 ) -> SetOfIterator<'static, i64> {
-    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority);
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority, concurrency_key);
+    enqueue_many(template, payloads, idempotency_keys)
+}
+
+/// The batch enqueue of schemas before 0.6.0 (see `enqueue_durable_job`).
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn enqueue_durable_jobs(
+    job_kind: Option<String>,
+    payloads: Option<JsonbArray>,
+    idempotency_keys: Option<Vec<Option<String>>>,
+    queue_name: Option<String>,
+    run_after: Option<TimestampWithTimeZone>,
+    max_attempts: Option<i32>,
+    priority: Option<i32>,
+) -> SetOfIterator<'static, i64> {
+    let template = JobTemplate::new(job_kind, queue_name, run_after, max_attempts, priority, None);
+    enqueue_many(template, payloads, idempotency_keys)
+}
+
+fn enqueue_many(
+    template: JobTemplate,
+    payloads: Option<JsonbArray>,
+    idempotency_keys: Option<Vec<Option<String>>>,
+) -> SetOfIterator<'static, i64> {
     let payloads = arguments::required(payloads, "payloads");
     let (elements, nulls, largest) =
         Spi::get_three_with_args::<i64, i64, i64>(DESCRIBE_PAYLOADS, &[payloads.into()])
@@ -399,9 +516,17 @@ fn enqueue_durable_jobs(
                     template.enqueued_by.as_str().into(),
                     installed.has_status_api.into(),
                 ];
-                plans::execute(client, INSERT_JOBS, &args)
+                let args: Vec<DatumWithOid> = args.into_iter().chain(template.key_arg()).collect();
+                let statement = if template.concurrency_key.is_some() {
+                    INSERT_CONCURRENCY_KEYED_JOBS
+                } else {
+                    INSERT_JOBS
+                };
+                let ids = plans::execute(client, statement, &args)
                     .map(|row| row.get::<i64>(1).unwrap().unwrap())
-                    .collect()
+                    .collect();
+                template.make_key_places(client);
+                ids
             }
             // With keys: each payload goes through the idempotent insert.
             Some(keys) => {

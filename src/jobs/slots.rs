@@ -1,15 +1,15 @@
-//! A queue's concurrency limit, by place. A limited queue has one row per place
-//! (`durable_job_queue_slot`, 1 to the limit); a claim takes a place for a job by locking a free
-//! place's row (SKIP LOCKED) and then checking, with a snapshot taken after the lock, that no
-//! running job holds it; the claimed job records its place (`queue_slot`). A place is held while
-//! a job of the queue that recorded it runs (a live lease, or a lapsed one whose row another
-//! transaction holds: a worker's batch runs its later jobs on leases renewed in its own
-//! transaction). An open claim transaction so holds only the places it took, and whoever locks
-//! a place next sees the job that took it once that transaction commits.
+//! Concurrency limits by place: a queue's (`durable_job_queue_slot`, 1 to its limit) and each
+//! key's in a queue with a per-key limit (`durable_job_key_slot`). A claim takes a place for a
+//! job by locking a free place's row (SKIP LOCKED) and then checking, with a snapshot taken after
+//! the lock, that no running job holds it; the claimed job records its places (`queue_slot`,
+//! `key_slot`). A place is held while a job that recorded it runs (a live lease, or a lapsed one
+//! whose row another transaction holds: a worker's batch runs its later jobs on leases renewed in
+//! its own transaction). An open claim transaction so holds only the places it took, and
+//! whoever locks a place next sees the job that took it once that transaction commits.
 //!
-//! A claim statement asks for places row by row, before the statement's own claims are visible,
-//! so the places handed out in one statement are remembered until the next (`new_claim`), and a
-//! queue found full stays full for the rest of the statement.
+//! A claim statement asks for places row by row, before the statement's own claims may be
+//! visible, so the places handed out in one statement are remembered until the next
+//! (`new_claim`), and a queue or key found full stays full for the rest of the statement.
 
 use crate::pg::plans;
 use pgrx::pg_sys;
@@ -17,14 +17,21 @@ use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
-/// What one claim statement was given: the place of each job (by id) and the queues with no
-/// place left. `transaction`: the local transaction it belongs to, a guard against a statement
-/// that did not call `new_claim`.
+/// Whose places: a queue's own, or one key's in a queue.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Pool {
+    queue: String,
+    key: Option<String>,
+}
+
+/// What one claim statement was given: each job's place in its queue's pool and in its key's
+/// (by job and whether the pool is a key's), and the pools with no place left. `transaction`: the local transaction it belongs to, a guard against a statement that
+/// did not call `new_claim`.
 #[derive(Default)]
 struct Claim {
     transaction: u32,
-    places: HashMap<i64, (String, i32)>,
-    full: HashSet<String>,
+    places: HashMap<(i64, bool), (Pool, i32)>,
+    full: HashSet<Pool>,
 }
 
 thread_local! {
@@ -46,61 +53,144 @@ pub fn new_claim() {
     CLAIM.with(|claim| *claim.borrow_mut() = Claim { transaction: local_transaction(), ..Claim::default() });
 }
 
-// The lowest place of the queue that no running job holds, except those given out in this
-// statement ($2), locked; with the queue's limit. No row: none (or the queue has no limit now).
-const LOCK_FREE_PLACE: &str = "
+// A running job that holds its places: a live lease, or a lapsed one another transaction holds.
+macro_rules! holds_places {
+    () => {
+        "j.job_state = 'running'
+           AND (j.lease_expires_at > pg_catalog.clock_timestamp() OR durable_jobs.durable_job_row_held(j.ctid))"
+    };
+}
+
+// The lowest place of the queue ($1) that no running job holds, except those given out in this
+// statement ($3), locked; with the queue's limit. No row: none (or the queue has no limit now).
+// $2, the key, is not used.
+const LOCK_FREE_QUEUE_PLACE: &str = concat!(
+    "
     SELECT s.slot, q.concurrency_limit
     FROM durable_jobs.durable_job_queue q
     JOIN durable_jobs.durable_job_queue_slot s ON s.queue_name = q.queue_name AND s.slot <= q.concurrency_limit
-    WHERE q.queue_name = $1 AND s.slot <> ALL ($2)
+    WHERE q.queue_name = $1 AND $2::pg_catalog.text IS NULL AND s.slot <> ALL ($3)
       AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
-                      WHERE j.queue_name = $1 AND j.queue_slot = s.slot AND j.job_state = 'running'
-                        AND (j.lease_expires_at > pg_catalog.clock_timestamp()
-                             OR durable_jobs.durable_job_row_held(j.ctid)))
+                      WHERE j.queue_name = $1 AND j.queue_slot = s.slot AND ",
+    holds_places!(),
+    ")
     ORDER BY s.slot
     LIMIT 1
-    FOR UPDATE OF s SKIP LOCKED";
+    FOR UPDATE OF s SKIP LOCKED"
+);
 
-// Whether place $2 of the queue is still free once locked (a claim that took it may have
+// Whether place $3 of the queue is still free once locked (a claim that took it may have
 // committed after the locking statement's snapshot), and no job runs outside the places 1 to
-// $3 (started before the limit was set, or above a lowered one: the queue is full until they end).
-const PLACE_STILL_FREE: &str = "
+// $4 (started before the limit was set, or above a lowered one: the queue is full until they end).
+const QUEUE_PLACE_STILL_FREE: &str = concat!(
+    "
+    SELECT $2::pg_catalog.text IS NULL AND NOT EXISTS (
+        SELECT FROM durable_jobs.durable_job j
+        WHERE j.queue_name = $1
+          AND (j.queue_slot = $3 OR j.queue_slot IS NULL OR j.queue_slot NOT BETWEEN 1 AND $4) AND ",
+    holds_places!(),
+    ")"
+);
+
+// The same for the places of key $2 in queue $1.
+const LOCK_FREE_KEY_PLACE: &str = concat!(
+    "
+    SELECT s.slot, q.key_concurrency_limit
+    FROM durable_jobs.durable_job_queue q
+    JOIN durable_jobs.durable_job_key_slot s
+      ON s.queue_name = q.queue_name AND s.concurrency_key = $2 AND s.slot <= q.key_concurrency_limit
+    WHERE q.queue_name = $1 AND s.slot <> ALL ($3)
+      AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
+                      WHERE j.queue_name = $1 AND j.concurrency_key = $2 AND j.key_slot = s.slot AND ",
+    holds_places!(),
+    ")
+    ORDER BY s.slot
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED"
+);
+const KEY_PLACE_STILL_FREE: &str = concat!(
+    "
     SELECT NOT EXISTS (
         SELECT FROM durable_jobs.durable_job j
-        WHERE j.queue_name = $1 AND j.job_state = 'running'
-          AND (j.queue_slot = $2 OR j.queue_slot IS NULL OR j.queue_slot NOT BETWEEN 1 AND $3)
-          AND (j.lease_expires_at > pg_catalog.clock_timestamp() OR durable_jobs.durable_job_row_held(j.ctid)))";
+        WHERE j.queue_name = $1 AND j.concurrency_key = $2
+          AND (j.key_slot = $3 OR j.key_slot IS NULL OR j.key_slot NOT BETWEEN 1 AND $4) AND ",
+    holds_places!(),
+    ")"
+);
+
+/// Makes the places of key $2 in queue $1 that are missing, up to the queue's per-key limit;
+/// the count of those it made. Every statement that makes them first takes the key's
+/// transaction advisory lock, without waiting: the insert then never waits for another
+/// transaction's insert of the same place (while another holds the lock, this makes none).
+/// Run by a keyed enqueue, and by a claim that finds none of a key's places.
+pub const MAKE_KEY_PLACES: &str = "
+    WITH missing AS (
+        SELECT place FROM durable_jobs.durable_job_queue q,
+                          pg_catalog.generate_series(1, q.key_concurrency_limit) AS place
+        WHERE q.queue_name = $1
+          AND NOT EXISTS (SELECT FROM durable_jobs.durable_job_key_slot s
+                          WHERE s.queue_name = $1 AND s.concurrency_key = $2 AND s.slot = place)),
+    made AS (
+        INSERT INTO durable_jobs.durable_job_key_slot (queue_name, concurrency_key, slot)
+        SELECT $1, $2, place FROM missing
+        WHERE pg_catalog.pg_try_advisory_xact_lock(
+                  pg_catalog.hashtext('durable_jobs key places'), pg_catalog.hashtext($1 || ' ' || $2))
+        ON CONFLICT DO NOTHING
+        RETURNING 1)
+    SELECT pg_catalog.count(*) FROM made";
 
 /// How many places a claim tries, one after another, for one job: a place is found taken after
 /// its lock only when a claim of it committed between two statements.
 const TRIES: usize = 3;
 
-/// A place of `queue` for `job_id`, locked to the end of the transaction; None when none is free.
-fn take(queue: &str, job_id: i64) -> Option<i32> {
+/// A place of `pool` for `job_id`, locked to the end of the transaction; None when none is free.
+fn take(pool: Pool, job_id: i64) -> Option<i32> {
     let given = CLAIM.with(|claim| {
         let mut claim = claim.borrow_mut();
         if claim.transaction != local_transaction() {
             *claim = Claim { transaction: local_transaction(), ..Claim::default() };
         }
-        if let Some((_, place)) = claim.places.get(&job_id) {
+        if let Some((_, place)) = claim.places.get(&(job_id, pool.key.is_some())) {
             return Err(Some(*place));
         }
-        if claim.full.contains(queue) {
+        if claim.full.contains(&pool) {
             return Err(None);
         }
-        Ok(claim.places.values().filter(|(q, _)| q == queue).map(|(_, place)| *place).collect::<Vec<i32>>())
+        Ok(claim.places.values().filter(|(p, _)| *p == pool).map(|(_, place)| *place).collect::<Vec<i32>>())
     });
     let mut given = match given {
         Ok(given) => given,
         Err(answer) => return answer,
     };
+    let (lock_free, still_free) = match pool.key {
+        None => (LOCK_FREE_QUEUE_PLACE, QUEUE_PLACE_STILL_FREE),
+        Some(_) => (LOCK_FREE_KEY_PLACE, KEY_PLACE_STILL_FREE),
+    };
     let place = Spi::connect_mut(|client| {
+        let mut made = false;
         for _ in 0..TRIES {
-            let rows = plans::execute(client, LOCK_FREE_PLACE, &[queue.into(), given.clone().into()]);
-            let Some(row) = rows.into_iter().next() else { return None };
+            let args = [pool.queue.as_str().into(), pool.key.as_deref().into(), given.clone().into()];
+            let rows = plans::execute(client, lock_free, &args);
+            let Some(row) = rows.into_iter().next() else {
+                // A key whose places were not made (enqueued before its queue had a per-key
+                // limit, or while it was set): made now, once.
+                let key = pool.key.as_deref();
+                if key.is_some() && !made {
+                    made = true;
+                    let made_now =
+                        plans::execute(client, MAKE_KEY_PLACES, &[pool.queue.as_str().into(), key.into()])
+                            .first()
+                            .get_one::<i64>()
+                            .unwrap();
+                    if made_now > Some(0) {
+                        continue;
+                    }
+                }
+                return None;
+            };
             let place: i32 = row.get(1).unwrap().unwrap();
             let limit: i32 = row.get(2).unwrap().unwrap();
-            if still_free(client, queue, place, limit) {
+            if place_still_free(client, still_free, &pool, place, limit) {
                 return Some(place);
             }
             // Locked by this transaction now, and taken: not asked for again in this statement.
@@ -112,32 +202,49 @@ fn take(queue: &str, job_id: i64) -> Option<i32> {
         let mut claim = claim.borrow_mut();
         match place {
             Some(place) => {
-                claim.places.insert(job_id, (queue.to_owned(), place));
+                claim.places.insert((job_id, pool.key.is_some()), (pool, place));
             }
             None => {
-                claim.full.insert(queue.to_owned());
+                claim.full.insert(pool);
             }
         }
     });
     place
 }
 
-/// PLACE_STILL_FREE, with a snapshot taken now. At READ COMMITTED every statement takes one; a
-/// REPEATABLE READ or SERIALIZABLE transaction would read its own, older one, which need not show
-/// a claim of the place that committed since, so the statement runs with the latest snapshot.
-fn still_free(client: &mut pgrx::spi::SpiClient, queue: &str, place: i32, limit: i32) -> bool {
+/// `statement` (QUEUE_PLACE_STILL_FREE or KEY_PLACE_STILL_FREE), with a snapshot taken now. At
+/// READ COMMITTED every statement takes one; a REPEATABLE READ or SERIALIZABLE transaction would
+/// read its own, older one, which need not show a claim of the place that committed since, so
+/// the statement runs with the latest snapshot.
+fn place_still_free(
+    client: &mut pgrx::spi::SpiClient,
+    statement: &str,
+    pool: &Pool,
+    place: i32,
+    limit: i32,
+) -> bool {
     if unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32 {
-        let rows = plans::execute(client, PLACE_STILL_FREE, &[queue.into(), place.into(), limit.into()]);
-        return rows.first().get_one::<bool>().unwrap() == Some(true);
+        let args = [pool.queue.as_str().into(), pool.key.as_deref().into(), place.into(), limit.into()];
+        return plans::execute(client, statement, &args).first().get_one::<bool>().unwrap() == Some(true);
     }
-    let text = std::ffi::CString::new(PLACE_STILL_FREE).unwrap();
+    let text = std::ffi::CString::new(statement).unwrap();
     unsafe {
-        let mut types = [pg_sys::TEXTOID, pg_sys::INT4OID, pg_sys::INT4OID];
-        let plan = pg_sys::SPI_prepare(text.as_ptr(), 3, types.as_mut_ptr());
-        assert!(!plan.is_null(), "PLACE_STILL_FREE did not prepare");
-        let mut values =
-            [queue.into_datum().unwrap(), place.into_datum().unwrap(), limit.into_datum().unwrap()];
-        let nulls = [b' ' as std::ffi::c_char; 3];
+        let mut types = [pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT4OID, pg_sys::INT4OID];
+        let plan = pg_sys::SPI_prepare(text.as_ptr(), 4, types.as_mut_ptr());
+        assert!(!plan.is_null(), "a place's check did not prepare");
+        let key = pool.key.as_deref().into_datum();
+        let mut values = [
+            pool.queue.as_str().into_datum().unwrap(),
+            key.unwrap_or(pg_sys::Datum::from(0)),
+            place.into_datum().unwrap(),
+            limit.into_datum().unwrap(),
+        ];
+        let nulls = [
+            b' ' as std::ffi::c_char,
+            if key.is_some() { b' ' } else { b'n' } as std::ffi::c_char,
+            b' ' as _,
+            b' ' as _,
+        ];
         let status = pg_sys::SPI_execute_snapshot(
             plan,
             values.as_mut_ptr(),
@@ -148,7 +255,7 @@ fn still_free(client: &mut pgrx::spi::SpiClient, queue: &str, place: i32, limit:
             false,
             1,
         );
-        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "PLACE_STILL_FREE");
+        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "a place's check");
         let table = pg_sys::SPI_tuptable;
         let mut is_null = false;
         let free = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, 1, &mut is_null);
@@ -162,22 +269,33 @@ fn still_free(client: &mut pgrx::spi::SpiClient, queue: &str, place: i32, limit:
 /// The C functions defined here, by SQL name: they pin no search_path (they name every object
 /// with its schema), as a `SET` clause would cost a GUC save and restore on every call.
 #[cfg_attr(not(any(test, feature = "pg_test")), allow(dead_code))]
-pub const C_FUNCTIONS: [&str; 3] =
-    ["durable_job_row_held", "durable_job_take_queue_slot", "durable_job_taken_queue_slot"];
+pub const C_FUNCTIONS: [&str; 5] = [
+    "durable_job_row_held",
+    "durable_job_take_queue_slot",
+    "durable_job_taken_queue_slot",
+    "durable_job_take_key_slot",
+    "durable_job_taken_key_slot",
+];
 
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_take_queue_slot() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
+macro_rules! v1_function_info {
+    ($($info:ident),*) => {
+        $(
+            #[unsafe(no_mangle)]
+            #[doc(hidden)]
+            pub extern "C" fn $info() -> &'static pg_sys::Pg_finfo_record {
+                const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+                &V1_API
+            }
+        )*
+    };
 }
-
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_taken_queue_slot() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
+v1_function_info!(
+    pg_finfo_durable_job_row_held,
+    pg_finfo_durable_job_take_queue_slot,
+    pg_finfo_durable_job_taken_queue_slot,
+    pg_finfo_durable_job_take_key_slot,
+    pg_finfo_durable_job_taken_key_slot
+);
 
 /// The int4 result, or NULL.
 unsafe fn place_datum(fcinfo: pg_sys::FunctionCallInfo, place: Option<i32>) -> pg_sys::Datum {
@@ -190,34 +308,29 @@ unsafe fn place_datum(fcinfo: pg_sys::FunctionCallInfo, place: Option<i32>) -> p
     }
 }
 
-/// `durable_jobs.durable_job_take_queue_slot(queue text, job_id int8, row_version tid)`, a V1
-/// function (STRICT). A claim asks before it locks the job's row: a row another transaction
-/// holds (a claim of it in progress, or committed since the claim's snapshot) gets no place, so
-/// that a job the claim will skip takes none from the jobs after it.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn durable_job_take_queue_slot(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
+/// Text argument `n` (STRICT functions: never NULL).
+unsafe fn text_argument(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> String {
+    unsafe { String::from_datum((*fcinfo).args.as_slice(n + 1)[n].value, false).unwrap() }
+}
+
+/// A place of `pool` for the job (argument `job`) whose row version is argument `job + 1`. A
+/// claim asks before it locks the job's row: a row another transaction holds (a claim of it in
+/// progress, or committed since the claim's snapshot) gets no place, so that a job the claim
+/// will skip takes none from the jobs after it.
+unsafe fn take_for_row(fcinfo: pg_sys::FunctionCallInfo, pool: Pool, job: usize) -> pg_sys::Datum {
     unsafe {
-        let args = (*fcinfo).args.as_slice(3);
-        if row_held(args[2].value.cast_mut_ptr()) {
+        let args = (*fcinfo).args.as_slice(job + 2);
+        if row_held(args[job + 1].value.cast_mut_ptr()) {
             return place_datum(fcinfo, None);
         }
-        let queue = String::from_datum(args[0].value, false).unwrap();
-        let job_id = args[1].value.value() as i64;
-        let place = take(&queue, job_id);
+        let place = take(pool, args[job].value.value() as i64);
         place_datum(fcinfo, place)
     }
 }
 
-/// `durable_jobs.durable_job_taken_queue_slot(job_id int8)`: the place this statement's claim
-/// took for the job, NULL if none.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn durable_job_taken_queue_slot(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
+/// The place the current claim statement took for the job (argument 0) in its queue's pool or
+/// its key's, NULL if none.
+unsafe fn taken(fcinfo: pg_sys::FunctionCallInfo, in_key: bool) -> pg_sys::Datum {
     unsafe {
         let job_id = (*fcinfo).args.as_slice(1)[0].value.value() as i64;
         let place = CLAIM.with(|claim| {
@@ -225,10 +338,48 @@ pub unsafe extern "C-unwind" fn durable_job_taken_queue_slot(
             if claim.transaction != local_transaction() {
                 return None;
             }
-            claim.places.get(&job_id).map(|(_, place)| *place)
+            claim.places.get(&(job_id, in_key)).map(|(_, place)| *place)
         });
         place_datum(fcinfo, place)
     }
+}
+
+/// `durable_jobs.durable_job_take_queue_slot(queue text, job_id int8, row_version tid)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_take_queue_slot(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe { take_for_row(fcinfo, Pool { queue: text_argument(fcinfo, 0), key: None }, 1) }
+}
+
+/// `durable_jobs.durable_job_take_key_slot(queue text, concurrency_key text, job_id int8,
+/// row_version tid)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_take_key_slot(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let pool = Pool { queue: text_argument(fcinfo, 0), key: Some(text_argument(fcinfo, 1)) };
+        take_for_row(fcinfo, pool, 2)
+    }
+}
+
+/// `durable_jobs.durable_job_taken_queue_slot(job_id int8)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_taken_queue_slot(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe { taken(fcinfo, false) }
+}
+
+/// `durable_jobs.durable_job_taken_key_slot(job_id int8)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn durable_job_taken_key_slot(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe { taken(fcinfo, true) }
 }
 
 /// `durable_jobs.durable_job_row_held(tid)`, a V1 function: whether the job table's row version
@@ -237,13 +388,6 @@ pub unsafe extern "C-unwind" fn durable_job_taken_queue_slot(
 /// concurrency limit counts such a running job whose committed lease lapsed
 /// (`durable_job_queue_running`): a worker's batch runs its later jobs on leases renewed in the
 /// batch's own transaction.
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_row_held() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
-
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn durable_job_row_held(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {

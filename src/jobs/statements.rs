@@ -1,5 +1,5 @@
 //! The SQL texts of the lease state machine: the claim, the fence every transition out of
-//! `running` passes, renewals, batch completion, release and cancel. One file, about 500
+//! `running` passes, renewals, batch completion, release and cancel. One file, about 600
 //! lines, so that the fence and the lease columns are written once, as macros the statements are
 //! assembled from at compile time (`concat!`); `jobs::lease` and `api::lease` run them.
 
@@ -70,9 +70,10 @@ macro_rules! expire_exhausted_ctes {
 // columns after the eight every claim returns, `$history` the recording of attempts
 // (`jobs::attempts`). The lease tokens come in $6, one per job the claim may take
 // (`randomness`), handed out in claim order.
-// How a claim keeps to queue concurrency limits. By place (schemas from 0.6.0 on,
-// `jobs::slots`): a job of a limited queue is taken only with a free place of its queue, which it
-// records. By lock (older schemas): queues at their limit are left out, and a limited queue with
+// How a claim keeps to concurrency limits. By place (schemas from 0.6.0 on, `jobs::slots`): a
+// job of a limited queue is taken only with a free place of its queue, and a job with a
+// concurrency key in a queue with a per-key limit only with a free place of its key (asked for
+// first: a key is more often full), which it records. By lock (older schemas): queues at their limit are left out, and a limited queue with
 // room left is checked under its advisory lock, one job per statement.
 macro_rules! limits_by_place {
     (closed) => {
@@ -90,6 +91,11 @@ macro_rules! limits_by_place {
                           THEN NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
                                       WHERE q.queue_name = durable_job.queue_name
                                         AND (q.paused
+                                             OR (durable_job.concurrency_key IS NOT NULL
+                                                 AND q.key_concurrency_limit IS NOT NULL
+                                                 AND durable_jobs.durable_job_take_key_slot(
+                                                         durable_job.queue_name, durable_job.concurrency_key,
+                                                         durable_job.job_id, durable_job.ctid) IS NULL)
                                              OR (q.concurrency_limit IS NOT NULL
                                                  AND durable_jobs.durable_job_take_queue_slot(
                                                          durable_job.queue_name, durable_job.job_id,
@@ -98,10 +104,11 @@ macro_rules! limits_by_place {
         )
     };
     (place) => {
-        ", durable_jobs.durable_job_taken_queue_slot(job_id) AS place"
+        ", durable_jobs.durable_job_taken_queue_slot(job_id) AS place,
+           durable_jobs.durable_job_taken_key_slot(job_id) AS key_place"
     };
     (set) => {
-        "queue_slot = numbered.place, "
+        "queue_slot = numbered.place, key_slot = numbered.key_place, "
     };
 }
 macro_rules! limits_by_lock {
@@ -366,7 +373,7 @@ pub(crate) const EXTEND: &str = concat!(
 // it for a moment), or skipped, so that only that job (its enqueuer cancelling it, say) is left
 // to its lease.
 macro_rules! leases_locked {
-    ($live:literal, $lock:literal) => {
+    ($live:expr, $lock:literal) => {
         concat!(
             "
             WITH live AS (
@@ -394,30 +401,52 @@ macro_rules! live_leases_locked {
     };
 }
 
-// `leases_locked`: live, or lapsed in a queue without a concurrency limit (reviving a lapsed
-// lease starts a job again, which a limit must allow: `held_lease_within_limit_locked`).
+// Whether job x is under a concurrency limit: its queue's, or its key's.
+macro_rules! under_a_limit {
+    () => {
+        "EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                         WHERE q.queue_name = x.queue_name
+                           AND (q.concurrency_limit IS NOT NULL
+                                OR (x.concurrency_key IS NOT NULL AND q.key_concurrency_limit IS NOT NULL)))"
+    };
+}
+
+// `leases_locked`: live, or lapsed and under no concurrency limit (reviving a lapsed lease
+// starts a job again, which a limit must allow: `held_lease_within_limit_locked`).
 macro_rules! held_leases_locked {
     ($lock:literal) => {
         leases_locked!(
-            "
-                  AND (x.lease_expires_at > pg_catalog.clock_timestamp()
-                       OR NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
-                                      WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL))",
+            concat!(
+                "
+                  AND (x.lease_expires_at > pg_catalog.clock_timestamp() OR NOT ",
+                under_a_limit!(),
+                ")"
+            ),
             $lock
         )
     };
 }
 
-// `leases_locked`, for one lapsed lease of a queue with a concurrency limit, while the queue has
-// a free place for it, taken as a claim takes one (`jobs::slots`).
+// `leases_locked`, for one lapsed lease under a concurrency limit, while its key and its queue
+// have a free place for it, taken as a claim takes them (`jobs::slots`).
 macro_rules! held_lease_within_limit_locked {
     ($lock:literal) => {
         leases_locked!(
-            "
+            concat!(
+                "
                   AND x.lease_expires_at <= pg_catalog.clock_timestamp()
-                  AND EXISTS (SELECT FROM durable_jobs.durable_job_queue q
-                              WHERE q.queue_name = x.queue_name AND q.concurrency_limit IS NOT NULL)
-                  AND durable_jobs.durable_job_take_queue_slot(x.queue_name, x.job_id, x.ctid) IS NOT NULL",
+                  AND ",
+                under_a_limit!(),
+                "
+                  AND NOT EXISTS (
+                      SELECT FROM durable_jobs.durable_job_queue q
+                      WHERE q.queue_name = x.queue_name
+                        AND ((x.concurrency_key IS NOT NULL AND q.key_concurrency_limit IS NOT NULL
+                              AND durable_jobs.durable_job_take_key_slot(
+                                      x.queue_name, x.concurrency_key, x.job_id, x.ctid) IS NULL)
+                             OR (q.concurrency_limit IS NOT NULL
+                                 AND durable_jobs.durable_job_take_queue_slot(x.queue_name, x.job_id, x.ctid) IS NULL)))"
+            ),
             $lock
         )
     };
@@ -454,7 +483,8 @@ pub(crate) const RENEW_AFTER_ROLLBACK_WITHIN_LIMIT: &str = renew_statement!(
     held_lease_within_limit_locked,
     " SKIP LOCKED",
     "
-                queue_slot = durable_jobs.durable_job_taken_queue_slot(j.job_id),"
+                queue_slot = durable_jobs.durable_job_taken_queue_slot(j.job_id),
+                key_slot = durable_jobs.durable_job_taken_key_slot(j.job_id),"
 );
 
 // The successes of a batch in one statement: what COMPLETE does, for each live lease. The worker
