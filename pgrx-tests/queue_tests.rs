@@ -302,3 +302,50 @@ fn a_key_limit_counts_the_keys_jobs_across_enqueuers_and_batch_enqueues() {
     let keyed: i64 = one("SELECT count(*) FROM durable_jobs.durable_job WHERE concurrency_key = 'acme'");
     assert_eq!(keyed, 3);
 }
+
+#[pg_test]
+fn a_rate_limit_starts_no_more_than_its_burst_until_a_token_comes_back() {
+    // A rate of one start every thousand seconds with a burst of 2: two claims start jobs, the
+    // third takes nothing from that queue (another queue's job instead) and the next start is a
+    // period away; each start is the time its token was taken. Broken on purpose (the claim's
+    // filter without the token), the third claim took a third job.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_rate('api', 0.002, 2);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api') FROM generate_series(1, 3);",
+    )
+    .unwrap();
+    let other: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'other', priority => -1)");
+    assert!(claim_from("api").is_some());
+    assert!(claim_from("api").is_some());
+    assert!(claim_from("api").is_none(), "no token left");
+    assert_eq!(claim("w").map(|(job, _)| job), Some(other), "other queues are not limited");
+    let next_in: f64 = one(
+        "SELECT extract(epoch FROM durable_jobs.get_durable_job_queue_next_start('api') - clock_timestamp())::float8",
+    );
+    assert!(next_in > 900.0 && next_in <= 1000.0, "the next start is a period (1000 s) away: {next_in}");
+    let starts_at_tokens: bool = one(
+        "SELECT bool_and(j.attempt_started_at + interval '1000 seconds' = t.next_at)
+         FROM durable_jobs.durable_job j
+         JOIN durable_jobs.durable_job_rate_token t ON t.queue_name = j.queue_name
+          AND t.next_at = j.attempt_started_at + interval '1000 seconds'
+         WHERE j.queue_name = 'api' AND j.job_state = 'running'",
+    );
+    assert!(starts_at_tokens, "each start is its token's time");
+    assert!(one::<bool>("SELECT durable_jobs.get_durable_job_queue_next_start('other') IS NULL"));
+    // NULL lifts it.
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', NULL)").unwrap();
+    assert!(claim_from("api").is_some());
+    for (arguments, sqlstate) in [
+        ("'api', 0", "22023"),
+        ("'api', -1", "22023"),
+        ("'api', 'NaN'", "22023"),
+        ("'api', 'Infinity'", "22023"),
+        ("'api', 1e7", "22023"),
+        ("'api', 10, 0", "22023"),
+        ("'api', 10, 10001", "22023"),
+        ("'api', 10, NULL", "22004"),
+        ("NULL, 10", "22004"),
+    ] {
+        assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_rate({arguments})"), sqlstate);
+    }
+}

@@ -175,6 +175,7 @@ fn every_function_pins_search_path_and_declares_volatility() {
                 &[crate::pg::constraints::C_FUNCTIONS
                     .iter()
                     .chain(&crate::jobs::slots::C_FUNCTIONS)
+                    .chain(&crate::jobs::rates::C_FUNCTIONS)
                     .copied()
                     .collect::<Vec<_>>()
                     .into()],

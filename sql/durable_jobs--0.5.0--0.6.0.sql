@@ -5,7 +5,7 @@
 -- attempts, with the error text of failed ones (get_durable_job_attempts, fail_durable_job's
 -- error_message); diagnose_durable_job says why a job is where it is; enqueue_or_get_durable_job
 -- tells whether an enqueue created its job; queue concurrency limits are kept by place, not by
--- an advisory lock. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
+-- an advisory lock; jobs get concurrency keys, and queues limits per key and rate limits. Run by ALTER EXTENSION durable_jobs UPDATE; tests/upgrade.rs checks that the
 -- result equals a fresh 0.6.0 install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE" to load this file. \quit
 
@@ -257,12 +257,52 @@ ALTER TABLE durable_jobs.durable_job
 CREATE INDEX durable_job_running_key_idx
     ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
     WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
+-- Rate limits: a queue may limit how many claims start its jobs, with a bucket of tokens.
 ALTER TABLE durable_jobs.durable_job_queue
-    ADD COLUMN key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000);
--- A column added at the end: the view keeps its owner and its grants.
+    ADD COLUMN key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000),
+    ADD COLUMN rate_per_second pg_catalog.float8 CHECK (rate_per_second > 0 AND rate_per_second <= 1000000),
+    ADD COLUMN rate_burst pg_catalog.int4 CHECK (rate_burst BETWEEN 1 AND 10000),
+    ADD CONSTRAINT durable_job_queue_rate_complete CHECK ((rate_per_second IS NULL) = (rate_burst IS NULL));
+-- Columns added at the end: the view keeps its owner and its grants.
 CREATE OR REPLACE VIEW durable_jobs.durable_job_queue_controls AS
 WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
-SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit FROM q;
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit,
+       q.rate_per_second, q.rate_burst
+FROM q;
+CREATE TABLE durable_jobs.durable_job_rate_token (
+    queue_name pg_catalog.text NOT NULL,
+    token      pg_catalog.int4 NOT NULL,
+    next_at    pg_catalog.timestamptz NOT NULL DEFAULT '-infinity',
+    PRIMARY KEY (queue_name, token)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_rate_token', '');
+REVOKE ALL ON durable_jobs.durable_job_rate_token FROM PUBLIC;
+CREATE FUNCTION durable_jobs.durable_job_take_rate_token(
+    queue pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_rate_token';
+CREATE FUNCTION durable_jobs.durable_job_rate_token_taken_at(job_id pg_catalog.int8)
+    RETURNS pg_catalog.timestamptz LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_rate_token_taken_at';
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_take_rate_token(pg_catalog.text, pg_catalog.int8, pg_catalog.tid) FROM PUBLIC;
+REVOKE ALL ON FUNCTION durable_jobs.durable_job_rate_token_taken_at(pg_catalog.int8) FROM PUBLIC;
+CREATE FUNCTION durable_jobs.set_durable_job_queue_rate(
+    queue_name pg_catalog.text,
+    starts_per_second pg_catalog.float8,
+    burst pg_catalog.int4 DEFAULT 1)
+    RETURNS void
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'set_durable_job_queue_rate_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.set_durable_job_queue_rate(pg_catalog.text, pg_catalog.float8, pg_catalog.int4) FROM PUBLIC;
+CREATE FUNCTION durable_jobs.get_durable_job_queue_next_start(queue_name pg_catalog.text)
+    RETURNS pg_catalog.timestamptz
+    VOLATILE PARALLEL UNSAFE
+    SET search_path TO pg_catalog, pg_temp
+    LANGUAGE c
+    AS 'MODULE_PATHNAME', 'get_durable_job_queue_next_start_wrapper';
+REVOKE ALL ON FUNCTION durable_jobs.get_durable_job_queue_next_start(pg_catalog.text) FROM PUBLIC;
 CREATE TABLE durable_jobs.durable_job_key_slot (
     queue_name      pg_catalog.text NOT NULL,
     concurrency_key pg_catalog.text NOT NULL,
@@ -312,6 +352,15 @@ BEGIN
                               extension_owner);
     EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_queue_slot OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_key_slot OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER TABLE durable_jobs.durable_job_rate_token OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_take_rate_token(pg_catalog.text, pg_catalog.int8, '
+                              'pg_catalog.tid) OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_rate_token_taken_at(pg_catalog.int8) OWNER TO %s',
+                              extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.set_durable_job_queue_rate(pg_catalog.text, pg_catalog.float8, '
+                              'pg_catalog.int4) OWNER TO %s', extension_owner);
+    EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.get_durable_job_queue_next_start(pg_catalog.text) OWNER TO %s',
+                              extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_take_key_slot(pg_catalog.text, pg_catalog.text, '
                               'pg_catalog.int8, pg_catalog.tid) OWNER TO %s', extension_owner);
     EXECUTE pg_catalog.format('ALTER FUNCTION durable_jobs.durable_job_taken_key_slot(pg_catalog.int8) OWNER TO %s',
@@ -326,7 +375,8 @@ BEGIN
     FROM pg_catalog.pg_class c
     WHERE c.oid IN ('durable_jobs.durable_job_attempt'::pg_catalog.regclass,
                     'durable_jobs.durable_job_queue_slot'::pg_catalog.regclass,
-                    'durable_jobs.durable_job_key_slot'::pg_catalog.regclass)
+                    'durable_jobs.durable_job_key_slot'::pg_catalog.regclass,
+                    'durable_jobs.durable_job_rate_token'::pg_catalog.regclass)
       AND i.objoid = c.oid AND i.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass AND i.objsubid = 0;
     UPDATE pg_catalog.pg_init_privs i SET initprivs = p.proacl
     FROM pg_catalog.pg_proc p
@@ -340,7 +390,11 @@ BEGIN
                     'durable_jobs.durable_job_take_key_slot(pg_catalog.text, pg_catalog.text, pg_catalog.int8, '
                     'pg_catalog.tid)'::pg_catalog.regprocedure,
                     'durable_jobs.durable_job_taken_key_slot(pg_catalog.int8)'::pg_catalog.regprocedure,
-                    'durable_jobs.set_durable_job_queue_key_concurrency(pg_catalog.text, pg_catalog.int4)'::pg_catalog.regprocedure)
+                    'durable_jobs.set_durable_job_queue_key_concurrency(pg_catalog.text, pg_catalog.int4)'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_take_rate_token(pg_catalog.text, pg_catalog.int8, pg_catalog.tid)'::pg_catalog.regprocedure,
+                    'durable_jobs.durable_job_rate_token_taken_at(pg_catalog.int8)'::pg_catalog.regprocedure,
+                    'durable_jobs.set_durable_job_queue_rate(pg_catalog.text, pg_catalog.float8, pg_catalog.int4)'::pg_catalog.regprocedure,
+                    'durable_jobs.get_durable_job_queue_next_start(pg_catalog.text)'::pg_catalog.regprocedure)
       AND i.objoid = p.oid AND i.classoid = 'pg_catalog.pg_proc'::pg_catalog.regclass AND i.objsubid = 0;
 END
 $hand_over$;

@@ -2,7 +2,7 @@
 -- attempt history go (its table, with the error texts it kept, and the job columns of the
 -- latest attempt), fail_durable_job takes no error text, and durable_job_handlers loses the
 -- columns that say whom each registration serves; queue concurrency limits go back to an
--- advisory lock. The trust rule itself lives in the library:
+-- advisory lock, and concurrency keys, limits per key and rate limits go. The trust rule itself lives in the library:
 -- while the 0.6.0 library is loaded it holds for a 0.5.0 schema too. Run by ALTER EXTENSION
 -- durable_jobs UPDATE TO '0.5.0'; tests/upgrade.rs checks that the result equals a fresh 0.5.0
 -- install.
@@ -41,7 +41,8 @@ BEGIN
          'WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
           SELECT h.job_kind, h.handler, h.registered_by, h.registered_at FROM h'),
         ('durable_jobs.durable_job_queue_controls', 5,
-         'ALTER TABLE durable_jobs.durable_job_queue DROP COLUMN key_concurrency_limit',
+         'ALTER TABLE durable_jobs.durable_job_queue DROP COLUMN key_concurrency_limit,
+              DROP COLUMN rate_per_second, DROP COLUMN rate_burst',
          'WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
           SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at FROM q')
     ) AS v(view_name, kept_columns, meanwhile, definition)
@@ -143,6 +144,13 @@ DROP FUNCTION durable_jobs.durable_job_taken_key_slot(pg_catalog.int8);
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_key_slot;
 DROP TABLE durable_jobs.durable_job_key_slot;
 ALTER TABLE durable_jobs.durable_job DROP COLUMN concurrency_key, DROP COLUMN key_slot;
+-- Rate limits go (their columns went with durable_job_queue_controls, above).
+DROP FUNCTION durable_jobs.set_durable_job_queue_rate(pg_catalog.text, pg_catalog.float8, pg_catalog.int4);
+DROP FUNCTION durable_jobs.get_durable_job_queue_next_start(pg_catalog.text);
+DROP FUNCTION durable_jobs.durable_job_take_rate_token(pg_catalog.text, pg_catalog.int8, pg_catalog.tid);
+DROP FUNCTION durable_jobs.durable_job_rate_token_taken_at(pg_catalog.int8);
+ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_rate_token;
+DROP TABLE durable_jobs.durable_job_rate_token;
 CREATE FUNCTION durable_jobs.durable_job_queue_has_capacity(queue pg_catalog.text)
     RETURNS pg_catalog.bool
     LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE

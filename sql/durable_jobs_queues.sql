@@ -10,7 +10,12 @@ CREATE TABLE durable_jobs.durable_job_queue (
     changed_by        pg_catalog.name NOT NULL,
     changed_at        pg_catalog.timestamptz NOT NULL DEFAULT pg_catalog.now(),
     -- At most this many jobs of one concurrency_key run at once; NULL: no limit.
-    key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000)
+    key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000),
+    -- At most rate_burst + rate_per_second * T claims start the queue's jobs in T seconds; NULL
+    -- (both): no rate limit.
+    rate_per_second   pg_catalog.float8 CHECK (rate_per_second > 0 AND rate_per_second <= 1000000),
+    rate_burst        pg_catalog.int4 CHECK (rate_burst BETWEEN 1 AND 10000),
+    CONSTRAINT durable_job_queue_rate_complete CHECK ((rate_per_second IS NULL) = (rate_burst IS NULL))
 );
 
 -- Queue controls are the operator's data: pg_dump dumps them.
@@ -61,6 +66,16 @@ CREATE TABLE durable_jobs.durable_job_key_slot (
 );
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_key_slot', '');
 
+-- The tokens of each queue with a rate limit, 1 to its burst: each starts one job, then is
+-- usable again a period (burst / rate seconds) later (src/jobs/rates.rs).
+CREATE TABLE durable_jobs.durable_job_rate_token (
+    queue_name pg_catalog.text NOT NULL,
+    token      pg_catalog.int4 NOT NULL,
+    next_at    pg_catalog.timestamptz NOT NULL DEFAULT '-infinity',
+    PRIMARY KEY (queue_name, token)
+);
+SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_rate_token', '');
+
 -- A free place of a limited queue for a job a claim is about to take, locked to the end of the
 -- claiming transaction; NULL when every place is taken or locked by another claim, or when jobs
 -- run outside the places (started before the limit was set, or above a lowered limit). C
@@ -73,6 +88,15 @@ CREATE FUNCTION durable_jobs.durable_job_take_queue_slot(
 CREATE FUNCTION durable_jobs.durable_job_taken_queue_slot(job_id pg_catalog.int8)
     RETURNS pg_catalog.int4 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
     AS 'MODULE_PATHNAME', 'durable_job_taken_queue_slot';
+-- Whether a claim took a token of a queue with a rate limit for the job.
+CREATE FUNCTION durable_jobs.durable_job_take_rate_token(
+    queue pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
+    RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000
+    AS 'MODULE_PATHNAME', 'durable_job_take_rate_token';
+-- When the same claim statement took the job's token: the start the job records.
+CREATE FUNCTION durable_jobs.durable_job_rate_token_taken_at(job_id pg_catalog.int8)
+    RETURNS pg_catalog.timestamptz LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+    AS 'MODULE_PATHNAME', 'durable_job_rate_token_taken_at';
 -- The same for a place of the job's key, in a queue with a per-key limit.
 CREATE FUNCTION durable_jobs.durable_job_take_key_slot(
     queue pg_catalog.text, concurrency_key pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
@@ -135,4 +159,6 @@ FROM h LEFT JOIN pg_catalog.pg_roles a ON a.rolname = h.registered_by;
 
 CREATE VIEW durable_jobs.durable_job_queue_controls AS
 WITH q AS (SELECT * FROM durable_jobs.durable_job_queue)
-SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit FROM q;
+SELECT q.queue_name, q.paused, q.concurrency_limit, q.changed_by, q.changed_at, q.key_concurrency_limit,
+       q.rate_per_second, q.rate_burst
+FROM q;

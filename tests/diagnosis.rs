@@ -266,7 +266,8 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
              SELECT durable_jobs.register_durable_job_handler('hidden_work', 'hidden.work(jsonb)');
              SELECT durable_jobs.pause_durable_job_queue('paused');
              SELECT durable_jobs.set_durable_job_queue_concurrency('narrow', 1);
-             SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);",
+             SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);
+             SELECT durable_jobs.set_durable_job_queue_rate('api', 0.001);",
         )
         .unwrap();
     let mut member = cluster.connect_as("app_member");
@@ -313,6 +314,15 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
         .collect();
     let acme_running = harness::claim_from(&mut admin, "worker-1", "tenants", 600).expect("acme's first job");
     assert_eq!(acme_running.job_id, acme[0]);
+    let api: Vec<i64> = (0..2)
+        .map(|_| {
+            enqueue_as(
+                &mut producer,
+                "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'api')",
+            )
+        })
+        .collect();
+    assert_eq!(harness::claim_from(&mut admin, "worker-1", "api", 600).map(|job| job.job_id), Some(api[0]));
     let done = enqueue_as(
         &mut admin,
         "SELECT durable_jobs.enqueue_durable_job('external', '{}', queue_name => 'done')",
@@ -379,6 +389,13 @@ fn each_reason_a_job_waits_for_comes_from_a_real_situation() {
         acme[1],
         "key_at_concurrency_limit",
         "runs as many jobs as the limit per key of queue tenants"
+    ));
+    assert_eq!(reasons(&mut producer, api[1]), ["rate_limited", "no_handler"]);
+    assert!(told(
+        &mut producer,
+        api[1],
+        "rate_limited",
+        "queue api starts at most 0.001 jobs a second (burst 1)"
     ));
     assert_eq!(reasons(&mut producer, running.job_id), ["running"]);
     assert!(detail(&mut producer, running.job_id, "running").contains("runs on worker worker-1"));

@@ -1781,6 +1781,35 @@ fn the_worker_runs_one_job_per_key_at_a_time_and_other_keys_beside_it() {
     assert_eq!(count(&mut client, "SELECT count(*) FROM public.effects"), 30);
 }
 
+/// A rate limit of 20 starts a second, burst 1, and a poll interval of ten minutes: the worker
+/// whose claim found no token sleeps until the next one comes, so ten jobs run in about half a
+/// second, and no two start less than a twentieth of a second apart. Failed with the worker
+/// sleeping its poll interval instead (one job, then nothing for ten minutes).
+#[test]
+fn a_rate_limited_queue_runs_at_its_rate_with_the_worker_waking_for_each_token() {
+    let (_cluster, mut client) = cluster_woken_by_enqueues_only("");
+    client
+        .batch_execute(
+            "SELECT durable_jobs.set_durable_job_queue_rate('api', 20);
+             SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('record',
+                 ARRAY(SELECT jsonb_build_object('n', g) FROM generate_series(1, 10) g), NULL, 'api');",
+        )
+        .unwrap();
+    wait_until(Duration::from_secs(30), "ten rate-limited jobs to run", || {
+        jobs_in_state(&mut client, "succeeded") == 10
+    });
+    let closest: f64 = client
+        .query_one(
+            "SELECT min(gap)::float8 FROM (
+                 SELECT extract(epoch FROM attempt_started_at - lag(attempt_started_at) OVER (ORDER BY attempt_started_at)) AS gap
+                 FROM durable_jobs.durable_job WHERE queue_name = 'api') gaps",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(closest >= 0.05, "two starts {closest} s apart, closer than the rate allows");
+}
+
 /// A queue limited to 2, one of whose jobs an external worker claimed in a transaction it keeps
 /// open: the worker runs the queue's other jobs on the place left, one at a time, without
 /// waiting for that transaction. Failed before limits were kept by place (the open transaction

@@ -38,7 +38,11 @@ const JOB_AND_SURROUNDINGS: &str = concat!(
                       WHERE r.queue_name = j.queue_name AND r.concurrency_key = j.concurrency_key
                         AND r.job_state = 'running'
                         AND (r.lease_expires_at > pg_catalog.clock_timestamp()
-                             OR durable_jobs.durable_job_row_held(r.ctid))) END
+                             OR durable_jobs.durable_job_row_held(r.ctid))) END,
+           q.rate_per_second, q.rate_burst,
+           (SELECT pg_catalog.min(t.next_at)::pg_catalog.text FROM durable_jobs.durable_job_rate_token t
+            WHERE t.queue_name = j.queue_name AND t.token <= q.rate_burst
+            HAVING pg_catalog.min(t.next_at) > pg_catalog.clock_timestamp())
     FROM durable_jobs.durable_job j
     LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
     LEFT JOIN durable_jobs.durable_job_handler h ON h.job_kind = j.job_kind
@@ -76,6 +80,10 @@ struct Job {
     concurrency_key: Option<String>,
     key_limit: Option<i32>,
     key_running: Option<i64>,
+    rate: Option<f64>,
+    burst: Option<i32>,
+    /// When the queue's next token comes, if none is usable now.
+    next_token_at: Option<String>,
 }
 
 type Reason = (&'static str, String);
@@ -117,6 +125,9 @@ fn reasons_for(job_id: i64) -> Vec<Reason> {
                 concurrency_key: row.get(25).unwrap(),
                 key_limit: row.get(26).unwrap(),
                 key_running: row.get(27).unwrap(),
+                rate: row.get(28).unwrap(),
+                burst: row.get(29).unwrap(),
+                next_token_at: row.get(30).unwrap(),
             })
         });
         job.map(|job| diagnose(&job)).unwrap_or_default()
@@ -305,7 +316,16 @@ fn queue_reasons(job: &Job, reasons: &mut Vec<Reason>) -> bool {
         };
         reasons.push(("key_at_concurrency_limit", detail));
     }
-    !job.paused && !full && !key_full
+    if let (Some(rate), Some(burst), Some(next)) = (job.rate, job.burst, &job.next_token_at) {
+        reasons.push((
+            "rate_limited",
+            format!(
+                "queue {} starts at most {rate} jobs a second (burst {burst}); its next start is at {next}",
+                job.queue
+            ),
+        ));
+    }
+    !job.paused && !full && !key_full && job.next_token_at.is_none()
 }
 
 #[pg_extern(volatile, parallel_unsafe, requires = ["status"])]

@@ -68,7 +68,7 @@ const INSERT_CONCURRENCY_KEYED_JOB_WITHOUT_KEY: &str = insert_job!("", ", concur
 
 // The same job leased to a sleeping worker ($10 its id, $11 the lease token, $12 the lease in
 // seconds) when the worker's claim would take it now: due, in a queue neither paused nor
-// limited (nor, for a job with a concurrency key, $13, limited per key), of a kind whose handler
+// limited nor rate-limited (nor, for a job with a concurrency key, $13, limited per key), of a kind whose handler
 // serves its enqueuer (as CLAIM_FOR_WORKER asks); otherwise available, as INSERT_JOB makes it.
 // Written as a claim writes it (see `direct_lease`).
 macro_rules! insert_leased_job {
@@ -95,7 +95,8 @@ macro_rules! insert_leased_job {
             FROM (SELECT $6 <= pg_catalog.clock_timestamp()
                          AND NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue q
                                          WHERE q.queue_name = $1
-                                           AND (q.paused OR q.concurrency_limit IS NOT NULL",
+                                           AND (q.paused OR q.concurrency_limit IS NOT NULL
+                                                OR q.rate_per_second IS NOT NULL",
             $key_limit,
             "))
                          AND EXISTS (SELECT 1 FROM durable_jobs.durable_job_handler h

@@ -149,3 +149,73 @@ fn set_durable_job_queue_key_concurrency(queue_name: Option<String>, max_running
         )
     });
 }
+
+// With the queue's tokens up to the burst (`jobs::rates`), usable at once; a smaller burst leaves
+// the tokens above it, which claims do not take.
+const SET_RATE: &str = "
+    WITH tokens AS (
+        INSERT INTO durable_jobs.durable_job_rate_token (queue_name, token)
+        SELECT $1, token FROM pg_catalog.generate_series(1, $3) AS token
+        ON CONFLICT DO NOTHING)
+    INSERT INTO durable_jobs.durable_job_queue (queue_name, rate_per_second, rate_burst, changed_by)
+    VALUES ($1, $2, $3, $4::pg_catalog.name)
+    ON CONFLICT (queue_name) DO UPDATE
+    SET rate_per_second = excluded.rate_per_second, rate_burst = excluded.rate_burst,
+        changed_by = excluded.changed_by, changed_at = pg_catalog.now()
+    RETURNING 1";
+
+/// Upper bounds of a queue's rate limit.
+const RATE_MAX: f64 = 1_000_000.0;
+const BURST_MAX: i32 = 10_000;
+
+/// Limits how many claims start the queue's jobs: at most `burst + starts_per_second * T` in any
+/// window of T seconds, for the background workers and every SQL-API claim; NULL removes it.
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn set_durable_job_queue_rate(
+    queue_name: Option<String>,
+    starts_per_second: Option<f64>,
+    burst: default!(Option<i32>, "1"),
+) {
+    crate::jobs::direct_lease::withdraw();
+    let queue_name = arguments::name(queue_name, "queue_name");
+    let burst = match starts_per_second {
+        None => None,
+        Some(rate) => {
+            if !(rate > 0.0 && rate <= RATE_MAX) {
+                arguments::invalid(&format!(
+                    "starts_per_second must be NULL (no limit) or above 0 and at most {RATE_MAX}"
+                ));
+            }
+            let burst = arguments::required(burst, "burst");
+            if !(1..=BURST_MAX).contains(&burst) {
+                arguments::invalid(&format!("burst must be between 1 and {BURST_MAX}"));
+            }
+            Some(burst)
+        }
+    };
+    let changed_by = caller().role_name;
+    as_extension_owner(|| {
+        first_value_of::<i32>(
+            SET_RATE,
+            &[queue_name.as_str().into(), starts_per_second.into(), burst.into(), changed_by.as_str().into()],
+        )
+    });
+}
+
+const NEXT_START: &str = "
+    SELECT CASE WHEN pg_catalog.min(t.next_at) IS NOT NULL
+                THEN GREATEST(pg_catalog.min(t.next_at), pg_catalog.clock_timestamp()) END
+    FROM durable_jobs.durable_job_queue q
+    JOIN durable_jobs.durable_job_rate_token t ON t.queue_name = q.queue_name AND t.token <= q.rate_burst
+    WHERE q.queue_name = $1";
+
+/// When the queue's rate limit lets the next claim start one of its jobs: now when a token is
+/// usable, NULL when the queue has no rate limit. What an external worker whose claim took
+/// nothing sleeps until (a token a claim in progress holds counts as usable).
+#[pg_extern(volatile, parallel_unsafe)]
+#[search_path(pg_catalog, pg_temp)]
+fn get_durable_job_queue_next_start(queue_name: Option<String>) -> Option<TimestampWithTimeZone> {
+    let queue_name = arguments::name(queue_name, "queue_name");
+    as_extension_owner(|| first_value_of::<TimestampWithTimeZone>(NEXT_START, &[queue_name.as_str().into()]))
+}

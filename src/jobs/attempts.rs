@@ -25,9 +25,10 @@ macro_rules! attempt_history {
         ", attempt_count AS was_attempt, attempt_worker_id AS was_worker, \
          attempt_started_at AS was_started, lease_expires_at AS was_expiry"
     };
-    // The claim's SET: the attempt it starts.
+    // The claim's SET: the attempt it starts, at the time its rate limit's token was taken, if
+    // it took one (`jobs::rates`; the claims with the history keep limits by place).
     (started) => {
-        "attempt_started_at = pg_catalog.clock_timestamp(), attempt_worker_id = $2, "
+        "attempt_started_at = COALESCE(numbered.token_at, pg_catalog.clock_timestamp()), attempt_worker_id = $2, "
     };
     // What the claim returns of the attempt before (a lapsed lease it took over ended then):
     // whether there was one, its number, worker, start and end, for `record_lapsed_leases`.

@@ -9,6 +9,7 @@
 use crate::jobs::attempts::{self, LapsedLease};
 use crate::jobs::failure::FailureCode;
 use crate::jobs::histograms::Observation;
+use crate::jobs::rates;
 use crate::jobs::slots;
 use crate::jobs::statements::{
     CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
@@ -154,6 +155,7 @@ pub fn claim_jobs(
             let mut lapsed = Vec::new();
             let history_columns = if handlers_only { 11 } else { 9 };
             slots::new_claim();
+            rates::new_claim();
             let claimed: Vec<ClaimedJob> =
                 plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
                     .filter(|row| {

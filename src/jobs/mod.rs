@@ -1,6 +1,6 @@
 //! The job model the SQL API and the background share: caller input and failure codes, the
 //! lease statements and fenced transitions, the trust rule, wake-ups and direct leases at
-//! commit, the status waiters, queue limits' places, the counters and pruning.
+//! commit, the status waiters, queue limits' places and rate tokens, the counters and pruning.
 
 pub mod arguments;
 pub mod attempts;
@@ -10,6 +10,7 @@ pub mod failure;
 pub mod histograms;
 pub mod hooks;
 pub mod lease;
+pub mod rates;
 pub mod retention;
 pub mod sleepers;
 pub mod slots;

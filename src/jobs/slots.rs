@@ -38,7 +38,7 @@ thread_local! {
     static CLAIM: RefCell<Claim> = RefCell::new(Claim::default());
 }
 
-fn local_transaction() -> u32 {
+pub(crate) fn local_transaction() -> u32 {
     #[cfg(any(feature = "pg15", feature = "pg16"))]
     let lxid = unsafe { (*pg_sys::MyProc).lxid };
     #[cfg(not(any(feature = "pg15", feature = "pg16")))]
@@ -397,7 +397,7 @@ pub unsafe extern "C-unwind" fn durable_job_row_held(fcinfo: pg_sys::FunctionCal
 
 /// Whether the job table's row version at `tid` is held by another transaction in progress
 /// (`durable_job_row_held`).
-unsafe fn row_held(tid: *const pg_sys::ItemPointerData) -> bool {
+pub(crate) unsafe fn row_held(tid: *const pg_sys::ItemPointerData) -> bool {
     unsafe {
         // ReadBuffer would take InvalidBlockNumber for a new page.
         let block = (u32::from((*tid).ip_blkid.bi_hi) << 16) | u32::from((*tid).ip_blkid.bi_lo);

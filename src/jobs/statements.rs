@@ -73,7 +73,9 @@ macro_rules! expire_exhausted_ctes {
 // How a claim keeps to concurrency limits. By place (schemas from 0.6.0 on, `jobs::slots`): a
 // job of a limited queue is taken only with a free place of its queue, and a job with a
 // concurrency key in a queue with a per-key limit only with a free place of its key (asked for
-// first: a key is more often full), which it records. By lock (older schemas): queues at their limit are left out, and a limited queue with
+// first: a key is more often full), which it records; and a job of a queue with a rate limit
+// only with a token of the queue, asked for last, once the job has its places (a token taken is
+// spent: `jobs::rates`). By lock (older schemas): queues at their limit are left out, and a limited queue with
 // room left is checked under its advisory lock, one job per statement.
 macro_rules! limits_by_place {
     (closed) => {
@@ -99,13 +101,18 @@ macro_rules! limits_by_place {
                                              OR (q.concurrency_limit IS NOT NULL
                                                  AND durable_jobs.durable_job_take_queue_slot(
                                                          durable_job.queue_name, durable_job.job_id,
-                                                         durable_job.ctid) IS NULL)))
+                                                         durable_job.ctid) IS NULL)
+                                             OR (q.rate_per_second IS NOT NULL
+                                                 AND NOT durable_jobs.durable_job_take_rate_token(
+                                                         durable_job.queue_name, durable_job.job_id,
+                                                         durable_job.ctid))))
                           ELSE false END"
         )
     };
     (place) => {
         ", durable_jobs.durable_job_taken_queue_slot(job_id) AS place,
-           durable_jobs.durable_job_taken_key_slot(job_id) AS key_place"
+           durable_jobs.durable_job_taken_key_slot(job_id) AS key_place,
+           durable_jobs.durable_job_rate_token_taken_at(job_id) AS token_at"
     };
     (set) => {
         "queue_slot = numbered.place, key_slot = numbered.key_place, "

@@ -20,6 +20,7 @@ pub mod session;
 
 use crate::jobs::counters::{self, Counter, Tally};
 use crate::jobs::lease;
+use crate::jobs::rates;
 use crate::jobs::retention;
 use crate::jobs::sleepers;
 use crate::jobs::wakeup;
@@ -103,6 +104,11 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         })
         .unwrap_or(false);
         last_poll_found_job = found_job;
+        // A rate-limited queue whose claim found no token: its next token comes then.
+        let token_due = rates::next_token_at().map(|at| {
+            let now = unsafe { pg_sys::GetCurrentTimestamp() };
+            Instant::now() + Duration::from_micros(u64::try_from(at - now).unwrap_or(0))
+        });
         if BOUND_ROLE_MOVED.get() {
             // Its handlers must not run in this session, and no other role's may (see `runner`).
             log!(
@@ -125,20 +131,23 @@ pub extern "C-unwind" fn durable_jobs_worker_main(argument: pg_sys::Datum) {
         if found_job || claimed_ahead {
             continue;
         }
-        if !in_transaction_or_logged("wait", || sleep_until_poll(number, statistics_due)).unwrap_or(true) {
+        if !in_transaction_or_logged("wait", || sleep_until_poll(number, statistics_due, token_due))
+            .unwrap_or(true)
+        {
             break;
         }
     }
     log!("{WORKER_TYPE} {number} stopped");
 }
 
-/// Sleeps until the latch is set (an enqueue's commit, a reload, a shutdown) or the poll interval
-/// has passed, flushing on the way the statistics left pending when they fall due (a flush is
+/// Sleeps until the latch is set (an enqueue's commit, a reload, a shutdown), the poll interval
+/// has passed or a rate-limited queue's next token comes (`token_due`), flushing on the way the statistics left pending when they fall due (a flush is
 /// not a poll: it claims nothing and counts no idle poll). Asleep, worker `number` may be handed
 /// a job by an enqueue (`direct_lease`), which it then runs as one claimed ahead. False when the
 /// worker is to stop.
-fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>) -> bool {
-    let deadline = Instant::now() + settings::poll_interval();
+fn sleep_until_poll(number: i32, mut statistics_due: Option<Instant>, token_due: Option<Instant>) -> bool {
+    let poll_due = Instant::now() + settings::poll_interval();
+    let deadline = token_due.map_or(poll_due, |due| due.min(poll_due));
     loop {
         // A reload whose latch a lock wait used up (lock waits reset the latch) is still due: a
         // worker switched off, which no enqueue wakes, would otherwise miss being switched on
