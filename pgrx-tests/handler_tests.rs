@@ -461,8 +461,9 @@ fn prometheus_exposition_has_fixed_names_and_types() {
     // histogram sample, since no attempt ended.
     assert_eq!(samples.len(), 20, "{text}");
     assert!(samples.iter().all(|l| l.starts_with("durable_jobs_")));
-    // Eleven counters, the state gauge, three queue gauges, the queues left out, two histograms.
-    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 18);
+    // Eleven counters, the state gauge, three queue gauges, the queues left out, the two gauges
+    // of limits per key and rates (no sample without such a limit), two histograms.
+    assert_eq!(text.lines().filter(|l| l.starts_with("# HELP ")).count(), 20);
 }
 
 /// A queue's series goes once it has no pending job and no control: a queue paused and resumed
@@ -482,6 +483,30 @@ fn a_resumed_unlimited_queue_without_pending_jobs_has_no_series() {
     assert!(!text.contains("queue=\"was_paused\""), "{text}");
     assert!(!text.contains("queue=\"was_limited\""), "{text}");
     assert!(text.contains("durable_jobs_queue_ready_jobs{queue=\"limited\"} 0\n"), "{text}");
+}
+
+#[pg_test]
+fn prometheus_exposition_counts_keys_at_their_limit_and_usable_rate_tokens() {
+    // Keys are counted per queue, never labels; a rate limit shows its usable tokens. Failed
+    // before the gauges existed.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => key)
+         FROM unnest(ARRAY['acme', 'acme', 'globex']) key;
+         SELECT durable_jobs.set_durable_job_queue_rate('api', 0.001, 3);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api');",
+    )
+    .unwrap();
+    claim_from("tenants").unwrap();
+    claim_from("api").unwrap();
+    let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
+    for line in [
+        "durable_jobs_queue_keys_at_limit{queue=\"tenants\"} 1\n",
+        "durable_jobs_queue_rate_tokens{queue=\"api\"} 2\n",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
+    assert!(!text.contains("acme"), "a key is no label");
 }
 
 #[pg_test]

@@ -4,7 +4,7 @@
 
 use crate::jobs::counters::{counter_value, Counter};
 use crate::jobs::histograms::{self, HistogramValues, BUCKET_BOUNDS, QUEUE_SLOTS};
-use crate::pg::privilege::as_extension_owner;
+use crate::pg::privilege::{as_extension_owner, as_extension_owner_of};
 use pgrx::prelude::*;
 
 /// The `jobs_<state>` gauges in one pass over the table (a count per state would read it once
@@ -55,7 +55,72 @@ fn durable_job_metrics_prometheus() -> String {
         text.push_str(&format!("durable_jobs_jobs{{state=\"{state}\"}} {value}\n"));
     }
     text.push_str(&queue_gauges());
+    text.push_str(&queue_limit_gauges());
     text.push_str(&queue_histograms());
+    text
+}
+
+// Per queue with a limit per key or a rate limit (the first by name): how many keys run as many
+// jobs as the limit per key, and how many of the rate limit's tokens are usable now.
+const QUEUE_LIMIT_GAUGES: &str = "
+    SELECT q.queue_name,
+           CASE WHEN q.key_concurrency_limit IS NOT NULL THEN
+               (SELECT pg_catalog.count(*) FROM (
+                    SELECT FROM durable_jobs.durable_job r
+                    WHERE r.queue_name = q.queue_name AND r.job_state = 'running' AND r.concurrency_key IS NOT NULL
+                      AND (r.lease_expires_at > pg_catalog.clock_timestamp()
+                           OR durable_jobs.durable_job_row_held(r.ctid))
+                    GROUP BY r.concurrency_key
+                    HAVING pg_catalog.count(*) >= q.key_concurrency_limit) k) END,
+           CASE WHEN q.rate_per_second IS NOT NULL THEN
+               (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job_rate_token t
+                WHERE t.queue_name = q.queue_name AND t.token <= q.rate_burst
+                  AND t.next_at <= pg_catalog.clock_timestamp()) END
+    FROM durable_jobs.durable_job_queue q
+    WHERE q.key_concurrency_limit IS NOT NULL OR q.rate_per_second IS NOT NULL
+    ORDER BY q.queue_name
+    LIMIT $1";
+
+/// Keys at their limit and usable rate tokens per queue, in Prometheus text (schemas from 0.6.0
+/// on). Keys are counted, never labels.
+fn queue_limit_gauges() -> String {
+    let rows: Vec<(String, Option<i64>, Option<i64>)> = as_extension_owner_of(|installed| {
+        if !installed.has_attempt_history {
+            return Vec::new();
+        }
+        Spi::connect(|client| {
+            client
+                .select(QUEUE_LIMIT_GAUGES, None, &[EXPORTED_QUEUES_LIMIT.into()])
+                .expect("queue limit gauges")
+                .map(|row| (row.get(1).unwrap().unwrap(), row.get(2).unwrap(), row.get(3).unwrap()))
+                .collect()
+        })
+    });
+    let mut text = String::new();
+    let gauges: [(&str, &str, fn(&(String, Option<i64>, Option<i64>)) -> Option<i64>); 2] = [
+        (
+            "durable_jobs_queue_keys_at_limit",
+            "Concurrency keys running as many jobs as the queue's limit per key, per queue with such a limit.",
+            |r| r.1,
+        ),
+        (
+            "durable_jobs_queue_rate_tokens",
+            "Tokens of the queue's rate limit usable now, per queue with a rate limit.",
+            |r| r.2,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        text.push_str(&format!(
+            "# HELP {name} {help}
+# TYPE {name} gauge
+"
+        ));
+        for row in &rows {
+            if let Some(value) = value(row) {
+                text.push_str(&format!("{name}{{queue=\"{}\"}} {value}\n", label_value(&row.0)));
+            }
+        }
+    }
     text
 }
 
