@@ -412,26 +412,34 @@ fn explain_prepared(types: &str, statement: &str, arguments: &str, options: &str
 fn the_claim_is_an_index_scan_in_claim_order() {
     a_large_analyzed_queue();
     planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
-    // Any kind, and one kind.
+    // Any kind: the claim order; some kinds: the kinds' ranges of it, a few rows of each.
     for kinds in [None, Some(vec!["k".to_string()])] {
         let queues: Option<Vec<String>> = None;
+        let by_kind = kinds.is_some();
         let plan = Spi::explain_with_args(
-            &crate::jobs::lease::with_limit(crate::jobs::statements::CLAIM, 1),
+            &crate::jobs::lease::claim_text(crate::jobs::statements::CLAIM, 1, by_kind.then_some("$5")),
             &[queues.into(), "w".into(), 60.0f64.into(), false.into(), kinds.into(), lease_tokens(1).into()],
         )
         .unwrap();
         let plan = format!("{:?}", plan.0);
-        assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
-        // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
-        assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
+        if by_kind {
+            assert!(plan.contains("durable_job_kind_claim_order_idx"), "{plan}");
+            assert!(!plan.contains("Seq Scan"), "{plan}");
+        } else {
+            assert!(plan.contains("durable_job_claim_order_idx"), "{plan}");
+            // A sort in claim order would sort the whole queue (sorting the few exhausted leases is fine).
+            assert!(!plan.contains("priority DESC"), "no sort of the whole queue: {plan}");
+        }
     }
 }
 
-/// 5,000 jobs of kind `k`, analyzed: statistics under which a plan's choices show.
+/// 5,000 jobs of kind `k` and 5,000 of kind `other`, analyzed: statistics under which a plan's
+/// choices show.
 fn a_large_analyzed_queue() {
     serialize_tests_that_analyze();
     Spi::run(
         "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]));
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('other', array_fill('{}'::jsonb, ARRAY[5000]));
          ANALYZE durable_jobs.durable_job",
     )
     .unwrap();
@@ -447,12 +455,16 @@ fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
     a_large_analyzed_queue();
     Spi::run("SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
     planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
-    for (name, statement) in [("api", crate::jobs::statements::CLAIM), ("worker", crate::jobs::statements::CLAIM_FOR_WORKER)] {
+    // The API's claim of any kind reads the claim order, the worker's claim its registered kinds'.
+    for (name, statement, kinds, index) in [
+        ("api", crate::jobs::statements::CLAIM, None, "durable_job_claim_order_idx"),
+        ("worker", crate::jobs::statements::CLAIM_FOR_WORKER, Some("$7"), "durable_job_kind_claim_order_idx"),
+    ] {
         for limit in [1, 50] {
             let plan = explain_prepared(
-                "text[], text, float8, bool, text[], uuid[]",
-                &crate::jobs::lease::with_limit(statement, limit),
-                &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
+                "text[], text, float8, bool, text[], uuid[], text[]",
+                &crate::jobs::lease::claim_text(statement, limit, kinds),
+                &format!("NULL, 'w', 60, false, NULL, '{{{}}}', ARRAY['k']", uuid_list(&lease_tokens(50))),
                 "",
             );
             let job_table_scans = Spi::get_one_with_args::<String>(
@@ -464,7 +476,7 @@ fn the_kept_claim_plan_needs_no_argument_to_be_an_index_scan() {
             .unwrap()
             .unwrap_or_default();
             assert!(!job_table_scans.contains("Seq Scan"), "{name} {limit}: {job_table_scans}: {plan}");
-            assert!(job_table_scans.contains("durable_job_claim_order_idx"), "{name} {limit}: {plan}");
+            assert!(job_table_scans.contains(index), "{name} {limit}: {plan}");
         }
     }
 }
@@ -646,7 +658,7 @@ fn a_claim_is_not_compiled_by_jit() {
     planner_settings(crate::pg::plans::CLAIM_PLANNER_SETTINGS);
     let plan = explain_prepared(
         "text[], text, float8, bool, text[], uuid[]",
-        &crate::jobs::lease::with_limit(crate::jobs::statements::CLAIM, 50),
+        &crate::jobs::lease::claim_text(crate::jobs::statements::CLAIM, 50, None),
         &format!("NULL, 'w', 60, false, NULL, '{{{}}}'", uuid_list(&lease_tokens(50))),
         "ANALYZE, ",
     );

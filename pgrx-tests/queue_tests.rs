@@ -349,3 +349,37 @@ fn a_rate_limit_starts_no_more_than_its_burst_until_a_token_comes_back() {
         assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_rate({arguments})"), sqlstate);
     }
 }
+
+/// Rows of the job table this transaction has read so far, through indexes or scans.
+fn job_rows_read() -> i64 {
+    one("SELECT (COALESCE(idx_tup_fetch, 0) + COALESCE(seq_tup_read, 0))::bigint FROM pg_stat_xact_user_tables
+         WHERE relid = 'durable_jobs.durable_job'::regclass")
+}
+
+#[pg_test]
+fn a_claim_of_some_kinds_reads_no_backlog_of_other_kinds() {
+    // 5,000 ready jobs of a kind nobody claims here, ahead in claim order: a job_kinds claim and
+    // the background worker's claim (registered kinds) take the later job of their kind reading
+    // a few dozen rows, not the backlog. Broken on purpose (claims reading every kind in claim
+    // order, as before), each read over 5,000.
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('backlog', array_fill('{}'::jsonb, ARRAY[5000]),
+                                                                run_after => now() - interval '1 hour');
+         CREATE FUNCTION public.wanted(payload jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         SELECT durable_jobs.register_durable_job_handler('wanted', 'public.wanted(jsonb)');",
+    )
+    .unwrap();
+    let first: i64 = one("SELECT durable_jobs.enqueue_durable_job('wanted', '{}')");
+    let second: i64 = one("SELECT durable_jobs.enqueue_durable_job('wanted', '{}')");
+    let before = job_rows_read();
+    let claimed: i64 = one("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', job_kinds => ARRAY['wanted', 'other'])");
+    assert_eq!(claimed, first);
+    let read = job_rows_read() - before;
+    assert!(read < 100, "a job_kinds claim read {read} rows");
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    let before = job_rows_read();
+    let claimed = crate::jobs::lease::claim_jobs(installed, "worker", None, None, 60, true, 10);
+    assert_eq!(claimed.iter().map(|job| job.job_id).collect::<Vec<_>>(), [second]);
+    let read = job_rows_read() - before;
+    assert!(read < 100, "the worker's claim read {read} rows");
+}

@@ -257,6 +257,10 @@ ALTER TABLE durable_jobs.durable_job
 CREATE INDEX durable_job_running_key_idx
     ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
     WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
+-- Claims of some kinds read only their kinds' ranges of the claim order.
+CREATE INDEX durable_job_kind_claim_order_idx
+    ON durable_jobs.durable_job (job_kind, priority DESC, run_after, job_id)
+    WHERE job_state IN ('available', 'running');
 -- Rate limits: a queue may limit how many claims start its jobs, with a bucket of tokens.
 ALTER TABLE durable_jobs.durable_job_queue
     ADD COLUMN key_concurrency_limit pg_catalog.int4 CHECK (key_concurrency_limit BETWEEN 1 AND 1000),

@@ -144,6 +144,7 @@ DROP FUNCTION durable_jobs.durable_job_taken_key_slot(pg_catalog.int8);
 ALTER EXTENSION durable_jobs DROP TABLE durable_jobs.durable_job_key_slot;
 DROP TABLE durable_jobs.durable_job_key_slot;
 ALTER TABLE durable_jobs.durable_job DROP COLUMN concurrency_key, DROP COLUMN key_slot;
+DROP INDEX durable_jobs.durable_job_kind_claim_order_idx;
 -- Rate limits go (their columns went with durable_job_queue_controls, above).
 DROP FUNCTION durable_jobs.set_durable_job_queue_rate(pg_catalog.text, pg_catalog.float8, pg_catalog.int4);
 DROP FUNCTION durable_jobs.get_durable_job_queue_next_start(pg_catalog.text);

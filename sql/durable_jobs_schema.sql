@@ -131,6 +131,12 @@ CREATE INDEX durable_job_claim_order_idx
     ON durable_jobs.durable_job (priority DESC, run_after, job_id)
     WHERE job_state IN ('available', 'running');
 
+-- The claim order per kind: claims of some kinds (the background worker's registered kinds, a
+-- claim's job_kinds) read only their kinds' ranges, merged (src/jobs/statements.rs).
+CREATE INDEX durable_job_kind_claim_order_idx
+    ON durable_jobs.durable_job (job_kind, priority DESC, run_after, job_id)
+    WHERE job_state IN ('available', 'running');
+
 -- Leases on a job's last attempt, for expiring them as lease_expired once they lapse (claims
 -- reclaim the other lapsed leases through the claim order). Only a last attempt has an entry.
 CREATE INDEX durable_job_exhausted_lease_idx

@@ -12,10 +12,11 @@ use crate::jobs::histograms::Observation;
 use crate::jobs::rates;
 use crate::jobs::slots;
 use crate::jobs::statements::{
-    CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH,
-    COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL,
-    FAIL_ON_OLD_SCHEMA, FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED, RENEW_AFTER_ROLLBACK,
-    RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD, STATE_AND_PERMISSION,
+    kinds_in_claim_order, ALL_KINDS_ORDER, ALL_KINDS_SOURCE, CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA,
+    CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH, COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA,
+    COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA, FAIL_WITHOUT_HISTORY, HELD_LEASES,
+    RELEASE_UNSTARTED, RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH,
+    RENEW_BATCH_SKIPPING_HELD, STATE_AND_PERMISSION,
 };
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
@@ -51,25 +52,38 @@ fn first_value_in<T: FromDatum + IntoDatum>(
 const ANY_CONCURRENCY_LIMIT: &str =
     "SELECT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue WHERE concurrency_limit IS NOT NULL)";
 
-/// A claim statement taking up to `limit` jobs. The limit is written into the text: with a
-/// parameter there, the kept plan's generic form assumes a tenth of the queue and hash-joins the
-/// whole job table, so PostgreSQL planned every call anew (a third of an API call's time); with
-/// a number it keeps the generic plan after five calls. Written once per statement and limit
-/// (there are three statements, and limits up to the batch size): a claim does not copy 4 KB.
-pub(crate) fn with_limit(statement: &'static str, limit: i32) -> Rc<str> {
+/// A claim statement taking up to `limit` jobs, of the kinds in parameter `kinds` when given
+/// (`statements::kinds_in_claim_order`), otherwise of every kind in claim order. The limit is
+/// written into the text: with a parameter there, the kept plan's generic form assumes a tenth
+/// of the queue and hash-joins the whole job table, so PostgreSQL planned every call anew (a
+/// third of an API call's time); with a number it keeps the generic plan after five calls.
+/// Written once per statement, limit and source: a claim does not copy 4 KB.
+pub(crate) fn claim_text(statement: &'static str, limit: i32, kinds: Option<&'static str>) -> Rc<str> {
     thread_local! {
-        static WRITTEN: RefCell<HashMap<(usize, usize, i32), Rc<str>>> = RefCell::new(HashMap::new());
+        static WRITTEN: RefCell<HashMap<(usize, usize, i32, bool), Rc<str>>> = RefCell::new(HashMap::new());
     }
     WRITTEN.with(|written| {
-        let key = (statement.as_ptr() as usize, statement.len(), limit);
-        Rc::clone(
-            written
-                .borrow_mut()
-                .entry(key)
-                .or_insert_with(|| statement.replace("{limit}", &limit.to_string()).into()),
-        )
+        let key = (statement.as_ptr() as usize, statement.len(), limit, kinds.is_some());
+        Rc::clone(written.borrow_mut().entry(key).or_insert_with(|| {
+            // Twice the limit and a few more of each kind: enough past the rows that claims
+            // committing meanwhile take, which the claim then skips.
+            let (source, order) = match kinds {
+                None => (ALL_KINDS_SOURCE.to_string(), ALL_KINDS_ORDER),
+                Some(kinds) => kinds_in_claim_order(kinds, 2 * limit + 8),
+            };
+            statement
+                .replace("{limit}", &limit.to_string())
+                .replace("{source}", &source)
+                .replace("{order}", order)
+                .into()
+        }))
     })
 }
+
+// The kinds a background worker's claim may take: those with a registration.
+const REGISTERED_KINDS: &str = "
+    SELECT COALESCE(pg_catalog.array_agg(h.job_kind ORDER BY h.job_kind), '{}')
+    FROM durable_jobs.durable_job_handler h";
 
 /// One claimed job, as the claim returns it.
 pub struct ClaimedJob {
@@ -133,6 +147,18 @@ pub fn claim_jobs(
                 None => DatumWithOid::null::<Vec<String>>(),
             }
         };
+        // The kinds the claim reads from the kind's index: a worker's registered kinds (none: no
+        // claim), the SQL API's `job_kinds`; on a schema with that index.
+        let kinds: Option<Vec<String>> = match (handlers_only, installed.has_attempt_history, job_kinds) {
+            (true, ..) => Some(first_value_in(client, REGISTERED_KINDS, &[]).unwrap_or_default()),
+            (false, true, Some(kinds)) => Some(kinds.to_vec()),
+            _ => None,
+        };
+        if kinds.as_ref().is_some_and(|kinds| kinds.is_empty()) {
+            return Vec::new();
+        }
+        // The SQL API's kinds are $5; the worker's, $7.
+        let kinds_parameter = kinds.as_ref().map(|_| if handlers_only { "$7" } else { "$5" });
         let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
             let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
             let args = [
@@ -142,6 +168,7 @@ pub fn claim_jobs(
                 handlers_only.into(),
                 names(job_kinds),
                 lease_tokens.into(),
+                names(kinds.as_deref().filter(|_| handlers_only)),
             ];
             let statement = match (handlers_only, installed.has_attempt_history, installed.has_status_api) {
                 (true, ..) => CLAIM_FOR_WORKER,
@@ -157,7 +184,7 @@ pub fn claim_jobs(
             slots::new_claim();
             rates::new_claim();
             let claimed: Vec<ClaimedJob> =
-                plans::execute_in_claim_order(client, &with_limit(statement, count), &args)
+                plans::execute_in_claim_order(client, &claim_text(statement, count, kinds_parameter), &args)
                     .filter(|row| {
                         let job_id = row.get::<i64>(1).unwrap().unwrap();
                         if installed.has_attempt_history || handlers_only {

@@ -66,7 +66,9 @@ macro_rules! expire_exhausted_ctes {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
+// batch. `{source}` and `{order}` are written in at run time (`jobs::lease::claim_text`): the job
+// table in claim order, or the jobs of the kinds the claim takes, merged in claim order from
+// the kind's index (`kinds_in_claim_order`). `$claimed` adds the status columns' changes where the schema has them, `$returning`
 // columns after the eight every claim returns, `$history` the recording of attempts
 // (`jobs::attempts`). The lease tokens come in $6, one per job the claim may take
 // (`randomness`), handed out in claim order.
@@ -149,7 +151,9 @@ macro_rules! limits_by_lock {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `$claimed` adds the status columns' changes where the schema has them, `$returning`
+// batch. `{source}` and `{order}` are written in at run time (`jobs::lease::claim_text`): the job
+// table in claim order, or the jobs of the kinds the claim takes, merged in claim order from
+// the kind's index (`kinds_in_claim_order`). `$claimed` adds the status columns' changes where the schema has them, `$returning`
 // columns after the eight every claim returns, `$history` the recording of attempts
 // (`jobs::attempts`), `$limits` the keeping to concurrency limits. The lease tokens come in $6,
 // one per job the claim may take (`randomness`), handed out in claim order.
@@ -162,7 +166,7 @@ macro_rules! claim_ctes {
                     SELECT job_id, job_state AS was_state",
             $history!(was),
             $limits!(place),
-            " FROM durable_jobs.durable_job
+            " FROM {source}
                     WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
                            OR (job_state = 'running'
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
@@ -171,7 +175,7 @@ macro_rules! claim_ctes {
                       ",
             $limits!(filter, $kind_filter),
             "
-                    ORDER BY priority DESC, run_after, job_id
+                    ORDER BY {order}
                     LIMIT {limit}
                     FOR UPDATE OF durable_job SKIP LOCKED),
                 numbered AS (SELECT c.*, pg_catalog.row_number() OVER () AS n FROM candidate c),
@@ -195,6 +199,35 @@ macro_rules! claim_ctes {
             ")"
         )
     };
+}
+
+/// The candidates of a claim over the whole job table, in claim order.
+pub(crate) const ALL_KINDS_SOURCE: &str = "durable_jobs.durable_job";
+pub(crate) const ALL_KINDS_ORDER: &str = "priority DESC, run_after, job_id";
+
+/// The candidates of a claim that takes only the kinds in the array `kinds` (a parameter): the
+/// first `per_kind` ready jobs of each kind in claim order (`durable_job_kind_claim_order_idx`),
+/// leaving out rows other transactions hold (claims in progress, which the claim would skip),
+/// merged in claim order, each then locked through the table. The claim reads no job of a kind
+/// it does not take, and at most `per_kind` of each kind it takes; the join is a nested loop
+/// over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
+pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'static str) {
+    (
+        format!(
+            "(SELECT k.job_id, k.priority, k.run_after
+                     FROM pg_catalog.unnest({kinds}::pg_catalog.text[]) AS wanted(kind),
+                          LATERAL (SELECT j.job_id, j.priority, j.run_after FROM durable_jobs.durable_job j
+                                   WHERE j.job_kind = wanted.kind AND j.job_state IN ('available', 'running')
+                                     AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
+                                          OR j.lease_expires_at <= pg_catalog.clock_timestamp())
+                                     AND NOT durable_jobs.durable_job_row_held(j.ctid)
+                                   ORDER BY j.priority DESC, j.run_after, j.job_id
+                                   LIMIT {per_kind}) AS k
+                     ORDER BY k.priority DESC, k.run_after, k.job_id) AS c(kind_job_id, kind_priority, kind_run_after)
+                    JOIN durable_jobs.durable_job ON durable_job.job_id = c.kind_job_id"
+        ),
+        "c.kind_priority DESC, c.kind_run_after, c.kind_job_id",
+    )
 }
 
 // The SQL API's claim, one statement: first exhausted leases expire, then jobs are claimed. The
