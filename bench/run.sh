@@ -8,7 +8,9 @@
 #   JOBS (default 10000): jobs per throughput run; DRAIN_JOBS (20000): jobs per worker drain;
 #   WAITER_DRAIN_JOBS (60000): jobs per drain beside waiters (shorter drains weigh the fixed
 #   cost of the last wake-ups more than the drain's own speed);
-#   BENCH_ONLY=status: the status API figures only; BENCH_ONLY=throughput: all but those.
+#   BENCH_ONLY=status: the status API figures only; BENCH_ONLY=throughput: all but those;
+#   BENCH_ONLY=limits: the limits' figures only (bench/limits.sh; LIMIT_DRAIN_JOBS, KEYED_JOBS,
+#   RATE_BURST).
 #   The peer, graphile-worker (pinned in bench/graphile), is installed there with npm on first
 #   use; its rows are skipped where node is missing.
 set -euo pipefail
@@ -179,6 +181,12 @@ drain() {  # $1 workers, $2 batch size -> jobs/s
     python3 -c "print(f'{$DRAIN_JOBS / ($end - $start):.0f}')"
 }
 
+if [ "${BENCH_ONLY:-}" = limits ]; then
+    echo "durable_jobs benchmark, limits only: $(nproc) cores, PostgreSQL $("$bindir/postgres" --version | awk '{print $3}')"
+    source "$(dirname "$0")/limits.sh"
+    exit 0
+fi
+
 echo "durable_jobs benchmark: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), fsync on, synchronous_commit on"
 echo "figures: jobs/s unless stated; ratio = figure / matching reference"
 
@@ -340,6 +348,7 @@ target_row "  the same vs pgbench at the start of the run" "$p50" "${ref[update_
 target_row "  the same with direct leases off, interleaved" "$claimed_p50" "${ref[update_latency_around]}" ""
 target_row "enqueue-to-start p50 ms vs graphile-worker p50" "$p50" "${ref[graphile_p50]:-}" "<=1"
 target_row "size after 100,000 jobs vs after 20,000" "${size[100000]}" "${size[20000]}" "<=2"
+source "$(dirname "$0")/limits.sh"
 fi
 
 [ "${BENCH_ONLY:-}" != throughput ] || exit 0

@@ -383,3 +383,29 @@ fn a_claim_of_some_kinds_reads_no_backlog_of_other_kinds() {
     let read = job_rows_read() - before;
     assert!(read < 100, "the worker's claim read {read} rows");
 }
+
+#[pg_test]
+fn a_claim_by_kind_reaches_the_jobs_behind_those_it_may_not_take() {
+    // A registration by a role serves that role's jobs only: thirty jobs of its kind enqueued by
+    // the superuser, ahead in claim order, are left to external workers, and the worker's claim,
+    // which reads each kind's first jobs only, still reaches the role's job behind them. Broken on
+    // purpose (no claim reading on past a short claim by kind), it claimed nothing.
+    Spi::run(
+        "CREATE ROLE dj_kind_owner;
+         CREATE FUNCTION public.dj_kind_work(jsonb) RETURNS void LANGUAGE sql AS 'SELECT';
+         INSERT INTO durable_jobs.durable_job_handler (job_kind, handler, registered_by)
+         VALUES ('dj_kind', 'public.dj_kind_work(jsonb)', 'dj_kind_owner');
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('dj_kind', array_fill('{}'::jsonb, ARRAY[30]));
+         GRANT USAGE ON SCHEMA durable_jobs TO dj_kind_owner;
+         GRANT EXECUTE ON FUNCTION durable_jobs.enqueue_durable_job TO dj_kind_owner;
+         SET LOCAL ROLE dj_kind_owner;
+         SELECT durable_jobs.enqueue_durable_job('dj_kind', '{}');
+         RESET ROLE;",
+    )
+    .unwrap();
+    let owners: i64 =
+        one("SELECT job_id FROM durable_jobs.durable_job WHERE enqueued_by = 'dj_kind_owner'");
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    let claimed = crate::jobs::lease::claim_jobs(installed, "worker", None, None, 60, true, 1);
+    assert_eq!(claimed.iter().map(|job| job.job_id).collect::<Vec<_>>(), [owners]);
+}

@@ -80,6 +80,17 @@ pub(crate) fn claim_text(statement: &'static str, limit: i32, kinds: Option<&'st
     })
 }
 
+// Whether a ready job of the kinds $1 (in the queues $2, NULL: any) is left that no other
+// transaction holds.
+const READY_OF_KINDS: &str = "
+    SELECT EXISTS (
+        SELECT FROM durable_jobs.durable_job j
+        WHERE j.job_kind = ANY ($1) AND j.job_state IN ('available', 'running')
+          AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
+               OR (j.lease_expires_at <= pg_catalog.clock_timestamp() AND j.attempt_count < j.max_attempts))
+          AND ($2::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($2))
+          AND NOT durable_jobs.durable_job_row_held(j.ctid))";
+
 // The kinds a background worker's claim may take: those with a registration.
 const REGISTERED_KINDS: &str = "
     SELECT COALESCE(pg_catalog.array_agg(h.job_kind ORDER BY h.job_kind), '{}')
@@ -159,7 +170,8 @@ pub fn claim_jobs(
         }
         // The SQL API's kinds are $5; the worker's, $7.
         let kinds_parameter = kinds.as_ref().map(|_| if handlers_only { "$7" } else { "$5" });
-        let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
+        let claim = |client: &mut pgrx::spi::SpiClient, count: i32, by_kind: bool| -> Vec<ClaimedJob> {
+            let kinds_parameter = kinds_parameter.filter(|_| by_kind);
             let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
             let args = [
                 names(queue_names),
@@ -224,7 +236,20 @@ pub fn claim_jobs(
             || handlers_only
             || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
         {
-            claimed = claim(client, limit);
+            claimed = claim(client, limit, kinds.is_some());
+            // A claim by kind reads each kind's first jobs only (`kinds_in_claim_order`): when it
+            // comes back short while ready jobs of its kinds are left (behind jobs it may not take:
+            // a full queue or key, a registration that does not serve their enqueuer, a paused
+            // queue), the rest of the batch is claimed reading the whole claim order, as every
+            // claim did before.
+            let short = claimed.len() < limit as usize;
+            if short
+                && kinds.is_some()
+                && first_value_in(client, READY_OF_KINDS, &[names(kinds.as_deref()), names(queue_names)])
+                    == Some(true)
+            {
+                claimed.extend(claim(client, limit - claimed.len() as i32, false));
+            }
             // A limit set between the check and the claim (the claim's snapshot is later):
             // all but the first job go back, and the batch is claimed one by one.
             if claimed.len() < 2
@@ -239,7 +264,7 @@ pub fn claim_jobs(
             release_unstarted(&extra, worker_id);
         }
         while claimed.len() < limit as usize {
-            let one = claim(client, 1);
+            let one = claim(client, 1, false);
             if one.is_empty() {
                 break;
             }
