@@ -345,6 +345,9 @@ fn a_rate_limit_starts_no_more_than_its_burst_until_a_token_comes_back() {
         ("'api', 10, 10001", "22023"),
         ("'api', 10, NULL", "22004"),
         ("NULL, 10", "22004"),
+        // A period (burst / rate) past a year: its token's next time would overflow a timestamp.
+        ("'api', 1e-300", "22023"),
+        ("'api', 1e-10, 10000", "22023"),
     ] {
         assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_rate({arguments})"), sqlstate);
     }
@@ -408,4 +411,74 @@ fn a_claim_by_kind_reaches_the_jobs_behind_those_it_may_not_take() {
     let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
     let claimed = crate::jobs::lease::claim_jobs(installed, "worker", None, None, 60, true, 1);
     assert_eq!(claimed.iter().map(|job| job.job_id).collect::<Vec<_>>(), [owners]);
+}
+
+#[pg_test]
+fn a_new_rate_applies_to_tokens_spent_under_the_old_one() {
+    // A token spent under a rate of one start every thousand seconds comes back within a period
+    // of the new rate of 100 a second; removing the rate drops the tokens. Failed before: the
+    // next start stayed a thousand seconds away.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_rate('api', 0.001);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api') FROM generate_series(1, 2);",
+    )
+    .unwrap();
+    assert!(claim_from("api").is_some());
+    assert!(claim_from("api").is_none());
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', 100)").unwrap();
+    assert!(one::<bool>(
+        "SELECT durable_jobs.get_durable_job_queue_next_start('api') <= clock_timestamp() + interval '10 ms'"
+    ));
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', NULL)").unwrap();
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_rate_token"), 0);
+}
+
+#[pg_test]
+fn the_places_of_keys_without_pending_jobs_are_pruned() {
+    // Every new key value gets its places: pruning deletes those of keys with no pending job,
+    // and lifting the limit deletes them all. Failed before: the 3,000 places stayed.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1000);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => 'key-' || n)
+         FROM generate_series(1, 3) n;",
+    )
+    .unwrap();
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_key_slot"), 3000);
+    Spi::run(
+        "SELECT durable_jobs.cancel_durable_job(job_id) FROM durable_jobs.durable_job WHERE concurrency_key <> 'key-3'",
+    )
+    .unwrap();
+    Spi::run("SELECT durable_jobs.prune_durable_jobs(interval '1 day')").unwrap();
+    let kept: Vec<String> = one(
+        "SELECT array_agg(DISTINCT concurrency_key) FROM durable_jobs.durable_job_key_slot",
+    );
+    assert_eq!(kept, ["key-3"], "the key with a pending job keeps its places");
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', NULL)").unwrap();
+    assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_key_slot"), 0);
+}
+
+#[pg_test]
+fn a_job_kinds_claim_reaches_jobs_behind_a_full_queues_backlog_of_its_kind() {
+    // Forty jobs of kind ext in a queue at its limit, ahead in claim order, then five in an open
+    // queue: a job_kinds claim takes one of those five, with or without naming their queue.
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_concurrency('lim', 1);
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('ext', array_fill('{}'::jsonb, ARRAY[41]),
+                                                                queue_name => 'lim', run_after => now() - interval '1 hour');
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('ext', array_fill('{}'::jsonb, ARRAY[5]), queue_name => 'o');",
+    )
+    .unwrap();
+    assert!(claim_from("lim").is_some(), "the queue lim is full from here");
+    let open_queue = |claimed: Option<i64>| -> bool {
+        claimed.is_some_and(|job| job_field::<String>(job, "queue_name").as_deref() == Some("o"))
+    };
+    let claim_kinds = |queues: &str| -> Option<i64> {
+        Spi::get_one::<i64>(&format!(
+            "SELECT job_id FROM durable_jobs.claim_next_durable_job('w', {queues}, job_kinds => ARRAY['ext'])"
+        ))
+        .ok()
+        .flatten()
+    };
+    assert!(open_queue(claim_kinds("ARRAY['o']")), "naming the open queue");
+    assert!(open_queue(claim_kinds("NULL")), "any queue");
 }

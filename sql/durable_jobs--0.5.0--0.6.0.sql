@@ -257,6 +257,9 @@ ALTER TABLE durable_jobs.durable_job
 CREATE INDEX durable_job_running_key_idx
     ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
     WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
+CREATE INDEX durable_job_pending_key_idx
+    ON durable_jobs.durable_job (queue_name, concurrency_key)
+    WHERE concurrency_key IS NOT NULL AND job_state IN ('available', 'running');
 -- Claims of some kinds read only their kinds' ranges of the claim order.
 CREATE INDEX durable_job_kind_claim_order_idx
     ON durable_jobs.durable_job (job_kind, priority DESC, run_after, job_id)

@@ -170,6 +170,11 @@ CREATE INDEX durable_job_running_key_idx
     ON durable_jobs.durable_job (queue_name, concurrency_key, key_slot)
     WHERE job_state = 'running' AND concurrency_key IS NOT NULL;
 
+-- Pending jobs of a key: whether a key's places are still needed (pruning).
+CREATE INDEX durable_job_pending_key_idx
+    ON durable_jobs.durable_job (queue_name, concurrency_key)
+    WHERE concurrency_key IS NOT NULL AND job_state IN ('available', 'running');
+
 -- Finished jobs by age, for the retention pruning of the background workers.
 CREATE INDEX durable_job_finished_idx
     ON durable_jobs.durable_job (finished_at)

@@ -106,8 +106,10 @@ fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_lim
     });
 }
 
-// With the places of the keys of the queue's pending jobs (`jobs::slots`); keys enqueued later
-// get theirs at their enqueue.
+// With the places of the keys of the queue's pending jobs (`jobs::slots`), each made under its
+// key's lock as `MAKE_KEY_PLACES` makes them (a key whose lock another transaction holds is
+// left to it, or to the claim that finds its places missing); keys enqueued later get theirs
+// at their enqueue. NULL: the queue's key places go.
 const SET_KEY_CONCURRENCY: &str = "
     WITH places AS (
         INSERT INTO durable_jobs.durable_job_key_slot (queue_name, concurrency_key, slot)
@@ -116,7 +118,11 @@ const SET_KEY_CONCURRENCY: &str = "
               WHERE j.queue_name = $1 AND j.job_state IN ('available', 'running')
                 AND j.concurrency_key IS NOT NULL) k,
              pg_catalog.generate_series(1, $2) AS place
-        ON CONFLICT DO NOTHING)
+        WHERE pg_catalog.pg_try_advisory_xact_lock(
+                  pg_catalog.hashtext('durable_jobs key places'), pg_catalog.hashtext($1 || ' ' || k.concurrency_key))
+        ON CONFLICT DO NOTHING),
+    gone AS (
+        DELETE FROM durable_jobs.durable_job_key_slot s WHERE s.queue_name = $1 AND $2 IS NULL)
     INSERT INTO durable_jobs.durable_job_queue (queue_name, key_concurrency_limit, changed_by)
     VALUES ($1, $2, $3::pg_catalog.name)
     ON CONFLICT (queue_name) DO UPDATE
@@ -150,13 +156,15 @@ fn set_durable_job_queue_key_concurrency(queue_name: Option<String>, max_running
     });
 }
 
-// With the queue's tokens up to the burst (`jobs::rates`), usable at once; a smaller burst leaves
-// the tokens above it, which claims do not take.
+// With the queue's tokens up to the burst (`jobs::rates`), new ones usable at once; a smaller
+// burst leaves the tokens above it, which claims do not take. NULL: the tokens go.
 const SET_RATE: &str = "
     WITH tokens AS (
         INSERT INTO durable_jobs.durable_job_rate_token (queue_name, token)
         SELECT $1, token FROM pg_catalog.generate_series(1, $3) AS token
-        ON CONFLICT DO NOTHING)
+        ON CONFLICT DO NOTHING),
+    gone AS (
+        DELETE FROM durable_jobs.durable_job_rate_token t WHERE t.queue_name = $1 AND $2 IS NULL)
     INSERT INTO durable_jobs.durable_job_queue (queue_name, rate_per_second, rate_burst, changed_by)
     VALUES ($1, $2, $3, $4::pg_catalog.name)
     ON CONFLICT (queue_name) DO UPDATE
@@ -164,9 +172,17 @@ const SET_RATE: &str = "
         changed_by = excluded.changed_by, changed_at = pg_catalog.now()
     RETURNING 1";
 
-/// Upper bounds of a queue's rate limit.
+// A token spent under the old rate comes back no later than one period of the new rate.
+const RESET_TOKENS: &str = "
+    UPDATE durable_jobs.durable_job_rate_token
+    SET next_at = pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3::pg_catalog.float8 / $2)
+    WHERE queue_name = $1
+      AND next_at > pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => $3::pg_catalog.float8 / $2)";
+
+/// Upper bounds of a queue's rate limit, and of its period (burst / rate): a token a year.
 const RATE_MAX: f64 = 1_000_000.0;
 const BURST_MAX: i32 = 10_000;
+const PERIOD_MAX_SECONDS: f64 = 366.0 * 86_400.0;
 
 /// Limits how many claims start the queue's jobs: at most `burst + starts_per_second * T` in any
 /// window of T seconds, for the background workers and every SQL-API claim; NULL removes it.
@@ -191,15 +207,22 @@ fn set_durable_job_queue_rate(
             if !(1..=BURST_MAX).contains(&burst) {
                 arguments::invalid(&format!("burst must be between 1 and {BURST_MAX}"));
             }
+            if f64::from(burst) / rate > PERIOD_MAX_SECONDS {
+                arguments::invalid("burst / starts_per_second must be at most 366 days");
+            }
             Some(burst)
         }
     };
     let changed_by = caller().role_name;
     as_extension_owner(|| {
-        first_value_of::<i32>(
-            SET_RATE,
-            &[queue_name.as_str().into(), starts_per_second.into(), burst.into(), changed_by.as_str().into()],
-        )
+        let args =
+            [queue_name.as_str().into(), starts_per_second.into(), burst.into(), changed_by.as_str().into()];
+        first_value_of::<i32>(SET_RATE, &args);
+        if starts_per_second.is_some() {
+            Spi::connect_mut(|client| {
+                crate::pg::plans::execute(client, RESET_TOKENS, &args[..3]);
+            });
+        }
     });
 }
 

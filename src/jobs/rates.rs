@@ -165,7 +165,7 @@ pub unsafe extern "C-unwind" fn durable_job_take_rate_token(
 ) -> pg_sys::Datum {
     unsafe {
         let args = (*fcinfo).args.as_slice(3);
-        if row_held(args[2].value.cast_mut_ptr()) {
+        if row_held(fcinfo, args[2].value.cast_mut_ptr()) {
             return pg_sys::Datum::from(false);
         }
         let queue = String::from_datum(args[0].value, false).unwrap();

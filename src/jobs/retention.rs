@@ -29,14 +29,30 @@ pub const DELETE_OLD_AUDIT: &str = "
         LIMIT $2)
     DELETE FROM durable_jobs.durable_job_audit a USING expired WHERE a.audit_id = expired.audit_id";
 
-/// Deletes up to `limit` jobs finished more than `older_than` ago, and up to `limit` audit rows
-/// as old; returns how many jobs it deleted. The caller has pinned search_path and has the
+// The places of keys that have no pending job (schemas from 0.6.0 on): made again by the key's
+// next enqueue, or by the claim that finds them missing (`jobs::slots`). Skipping places a claim
+// holds.
+pub const DELETE_IDLE_KEY_PLACES: &str = "
+    WITH idle AS (
+        SELECT s.ctid AS place FROM durable_jobs.durable_job_key_slot s
+        WHERE NOT EXISTS (SELECT FROM durable_jobs.durable_job j
+                          WHERE j.queue_name = s.queue_name AND j.concurrency_key = s.concurrency_key
+                            AND j.job_state IN ('available', 'running'))
+        LIMIT $1
+        FOR UPDATE OF s SKIP LOCKED)
+    DELETE FROM durable_jobs.durable_job_key_slot s USING idle WHERE s.ctid = idle.place";
+
+/// Deletes up to `limit` jobs finished more than `older_than` ago, up to `limit` audit rows as
+/// old, and up to `limit` places of keys without pending jobs; returns how many jobs it deleted. The caller has pinned search_path and has the
 /// privileges of the extension owner.
 pub fn delete_finished_jobs(installed: Installed, older_than: Interval, limit: i64) -> i64 {
     Spi::connect_mut(|client| {
         let args = [older_than.into(), limit.into()];
         if installed.has_status_api {
             plans::execute(client, DELETE_OLD_AUDIT, &args);
+        }
+        if installed.has_attempt_history {
+            plans::execute(client, DELETE_IDLE_KEY_PLACES, &[limit.into()]);
         }
         let deleted: Vec<i64> = plans::execute(client, DELETE_FINISHED, &args)
             .map(|row| row.get::<i64>(1).unwrap().expect("job_id"))

@@ -32,6 +32,9 @@ struct Claim {
     transaction: u32,
     places: HashMap<(i64, bool), (Pool, i32)>,
     full: HashSet<Pool>,
+    /// Queues found to have room for one more start (a free place and a usable rate token,
+    /// locks aside) in this statement.
+    open: HashSet<String>,
 }
 
 thread_local! {
@@ -139,6 +142,34 @@ pub const MAKE_KEY_PLACES: &str = "
         RETURNING 1)
     SELECT pg_catalog.count(*) FROM made";
 
+// Whether queue $1 could start one more job, its places' and tokens' locks aside: a free place
+// of its concurrency limit (and no job running outside the places), and a usable token of its
+// rate limit. Asked before a claim locks a place of the queue or of a key, so that no place is
+// locked for a job the queue's other limits then refuse (it would stay locked, unused, to the
+// end of the claiming transaction).
+const QUEUE_OPEN: &str = concat!(
+    "
+    SELECT (q.concurrency_limit IS NULL
+            OR (EXISTS (SELECT FROM durable_jobs.durable_job_queue_slot s
+                        WHERE s.queue_name = $1 AND s.slot <= q.concurrency_limit
+                          AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
+                                          WHERE j.queue_name = $1 AND j.queue_slot = s.slot AND ",
+    holds_places!(),
+    "))
+                AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
+                                WHERE j.queue_name = $1
+                                  AND (j.queue_slot IS NULL OR j.queue_slot NOT BETWEEN 1 AND q.concurrency_limit)
+                                  AND ",
+    holds_places!(),
+    ")))
+       AND (q.rate_per_second IS NULL
+            OR EXISTS (SELECT FROM durable_jobs.durable_job_rate_token t
+                       WHERE t.queue_name = $1 AND t.token <= q.rate_burst
+                         AND t.next_at <= pg_catalog.clock_timestamp()))
+    FROM durable_jobs.durable_job_queue q
+    WHERE q.queue_name = $1"
+);
+
 /// How many places a claim tries, one after another, for one job: a place is found taken after
 /// its lock only when a claim of it committed between two statements.
 const TRIES: usize = 3;
@@ -153,7 +184,8 @@ fn take(pool: Pool, job_id: i64) -> Option<i32> {
         if let Some((_, place)) = claim.places.get(&(job_id, pool.key.is_some())) {
             return Err(Some(*place));
         }
-        if claim.full.contains(&pool) {
+        let queue_pool = Pool { queue: pool.queue.clone(), key: None };
+        if claim.full.contains(&pool) || claim.full.contains(&queue_pool) {
             return Err(None);
         }
         Ok(claim.places.values().filter(|(p, _)| *p == pool).map(|(_, place)| *place).collect::<Vec<i32>>())
@@ -167,6 +199,17 @@ fn take(pool: Pool, job_id: i64) -> Option<i32> {
         Some(_) => (LOCK_FREE_KEY_PLACE, KEY_PLACE_STILL_FREE),
     };
     let place = Spi::connect_mut(|client| {
+        if !CLAIM.with(|claim| claim.borrow().open.contains(&pool.queue)) {
+            let open = plans::execute(client, QUEUE_OPEN, &[pool.queue.as_str().into()]);
+            let open = open.is_empty() || open.first().get_one::<bool>().unwrap() == Some(true);
+            if !open {
+                CLAIM.with(|claim| {
+                    claim.borrow_mut().full.insert(Pool { queue: pool.queue.clone(), key: None })
+                });
+                return None;
+            }
+            CLAIM.with(|claim| claim.borrow_mut().open.insert(pool.queue.clone()));
+        }
         let mut made = false;
         for _ in 0..TRIES {
             let args = [pool.queue.as_str().into(), pool.key.as_deref().into(), given.clone().into()];
@@ -320,7 +363,7 @@ unsafe fn text_argument(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> String {
 unsafe fn take_for_row(fcinfo: pg_sys::FunctionCallInfo, pool: Pool, job: usize) -> pg_sys::Datum {
     unsafe {
         let args = (*fcinfo).args.as_slice(job + 2);
-        if row_held(args[job + 1].value.cast_mut_ptr()) {
+        if row_held(fcinfo, args[job + 1].value.cast_mut_ptr()) {
             return place_datum(fcinfo, None);
         }
         let place = take(pool, args[job].value.value() as i64);
@@ -392,20 +435,29 @@ pub unsafe extern "C-unwind" fn durable_job_taken_key_slot(
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn durable_job_row_held(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     // STRICT: never NULL. A tid is passed by reference.
-    unsafe { pg_sys::Datum::from(row_held((*fcinfo).args.as_slice(1)[0].value.cast_mut_ptr())) }
+    unsafe { pg_sys::Datum::from(row_held(fcinfo, (*fcinfo).args.as_slice(1)[0].value.cast_mut_ptr())) }
 }
 
 /// Whether the job table's row version at `tid` is held by another transaction in progress
-/// (`durable_job_row_held`).
-pub(crate) unsafe fn row_held(tid: *const pg_sys::ItemPointerData) -> bool {
+/// (`durable_job_row_held`). `fcinfo`: the calling C function's, whose `fn_extra` keeps the job
+/// table's oid for the rest of the statement (looking it up by name was most of a call's cost).
+pub(crate) unsafe fn row_held(fcinfo: pg_sys::FunctionCallInfo, tid: *const pg_sys::ItemPointerData) -> bool {
     unsafe {
         // ReadBuffer would take InvalidBlockNumber for a new page.
         let block = (u32::from((*tid).ip_blkid.bi_hi) << 16) | u32::from((*tid).ip_blkid.bi_lo);
         if block == pg_sys::InvalidBlockNumber {
             return false;
         }
-        let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), false);
-        let table = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
+        let flinfo = (*fcinfo).flinfo;
+        if (*flinfo).fn_extra.is_null() {
+            let schema = pg_sys::get_namespace_oid(c"durable_jobs".as_ptr(), false);
+            let oid = pg_sys::get_relname_relid(c"durable_job".as_ptr(), schema);
+            let kept = pg_sys::MemoryContextAlloc((*flinfo).fn_mcxt, std::mem::size_of::<pg_sys::Oid>())
+                .cast::<pg_sys::Oid>();
+            *kept = oid;
+            (*flinfo).fn_extra = kept.cast();
+        }
+        let table = *(*flinfo).fn_extra.cast::<pg_sys::Oid>();
         // The caller's scan of the table holds this lock already, and the row version's page
         // pinned, so it cannot be pruned away meanwhile.
         let relation = pg_sys::table_open(table, pg_sys::AccessShareLock as pg_sys::LOCKMODE);

@@ -206,11 +206,11 @@ pub(crate) const ALL_KINDS_SOURCE: &str = "durable_jobs.durable_job";
 pub(crate) const ALL_KINDS_ORDER: &str = "priority DESC, run_after, job_id";
 
 /// The candidates of a claim that takes only the kinds in the array `kinds` (a parameter): the
-/// first `per_kind` ready jobs of each kind in claim order (`durable_job_kind_claim_order_idx`),
-/// leaving out rows other transactions hold (claims in progress, which the claim would skip),
-/// merged in claim order, each then locked through the table. The claim reads no job of a kind
-/// it does not take, and at most `per_kind` of each kind it takes; the join is a nested loop
-/// over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
+/// first `per_kind` ready jobs of each kind in claim order (`durable_job_kind_claim_order_idx`)
+/// in the queues $1 names and not paused, merged in claim order, each then locked through the
+/// table (skipping those other claims hold). The claim reads no job of a kind it does not take,
+/// and at most `per_kind` of each kind it takes (`jobs::lease::claim_jobs` reads on when that
+/// falls short); the join is a nested loop over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
 pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'static str) {
     (
         format!(
@@ -220,7 +220,9 @@ pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'sta
                                    WHERE j.job_kind = wanted.kind AND j.job_state IN ('available', 'running')
                                      AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
                                           OR j.lease_expires_at <= pg_catalog.clock_timestamp())
-                                     AND NOT durable_jobs.durable_job_row_held(j.ctid)
+                                     AND ($1::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($1))
+                                     AND NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
+                                                     WHERE q.queue_name = j.queue_name AND q.paused)
                                    ORDER BY j.priority DESC, j.run_after, j.job_id
                                    LIMIT {per_kind}) AS k
                      ORDER BY k.priority DESC, k.run_after, k.job_id) AS c(kind_job_id, kind_priority, kind_run_after)
