@@ -385,6 +385,40 @@ fn a_claim_of_some_kinds_reads_no_backlog_of_other_kinds() {
     assert_eq!(claimed.iter().map(|job| job.job_id).collect::<Vec<_>>(), [second]);
     let read = job_rows_read() - before;
     assert!(read < 100, "the worker's claim read {read} rows");
+    // And with none of its kinds left, the worker's poll, under the plan PostgreSQL keeps (the
+    // generic one, here from the first call) on analyzed statistics. (It read the backlog
+    // through a plan of `job_kind = ANY (...)` that scanned the table: milliseconds per idle
+    // poll; broken that way on purpose, it read 5,002 rows.)
+    serialize_tests_that_analyze();
+    Spi::run("ANALYZE durable_jobs.durable_job; SET LOCAL plan_cache_mode = force_generic_plan").unwrap();
+    let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
+    let before = job_rows_read();
+    assert!(crate::jobs::lease::claim_jobs(installed, "worker", None, None, 60, true, 10).is_empty());
+    let read = job_rows_read() - before;
+    assert!(read < 100, "an empty claim of the worker read {read} rows");
+}
+
+#[pg_test]
+fn a_claim_of_closed_queues_reads_none_of_their_jobs() {
+    // 5,000 jobs in a paused queue and in a queue out of rate tokens: a claim naming only those
+    // queues takes nothing and reads none of them. Broken on purpose (no look at the queues
+    // first), it read the 5,000.
+    Spi::run(
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'held');
+         SELECT durable_jobs.pause_durable_job_queue('held');
+         SELECT durable_jobs.set_durable_job_queue_rate('slow', 0.001);
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'slow');",
+    )
+    .unwrap();
+    assert!(claim_from("slow").is_some(), "the token");
+    let before = job_rows_read();
+    assert!(claim_from("slow").is_none());
+    assert!(Spi::get_one::<i64>(
+        "SELECT job_id FROM durable_jobs.claim_next_durable_job('w', ARRAY['held', 'slow'])"
+    )
+    .is_err_and(|error| matches!(error, pgrx::spi::SpiError::InvalidPosition)));
+    let read = job_rows_read() - before;
+    assert!(read < 100, "claims of closed queues read {read} rows");
 }
 
 #[pg_test]

@@ -147,9 +147,11 @@ pub const MAKE_KEY_PLACES: &str = "
 // rate limit. Asked before a claim locks a place of the queue or of a key, so that no place is
 // locked for a job the queue's other limits then refuse (it would stay locked, unused, to the
 // end of the claiming transaction).
-const QUEUE_OPEN: &str = concat!(
-    "
-    SELECT (q.concurrency_limit IS NULL
+macro_rules! queue_open {
+    ($select:literal, $close:literal) => {
+        concat!(
+    $select,
+    "(q.concurrency_limit IS NULL
             OR (EXISTS (SELECT FROM durable_jobs.durable_job_queue_slot s
                         WHERE s.queue_name = $1 AND s.slot <= q.concurrency_limit
                           AND NOT EXISTS (SELECT FROM durable_jobs.durable_job j
@@ -165,10 +167,25 @@ const QUEUE_OPEN: &str = concat!(
        AND (q.rate_per_second IS NULL
             OR EXISTS (SELECT FROM durable_jobs.durable_job_rate_token t
                        WHERE t.queue_name = $1 AND t.token <= q.rate_burst
-                         AND t.next_at <= pg_catalog.clock_timestamp()))
+                         AND t.next_at <= pg_catalog.clock_timestamp()))",
+    $close,
+    "
     FROM durable_jobs.durable_job_queue q
     WHERE q.queue_name = $1"
-);
+        )
+    };
+}
+const QUEUE_OPEN: &str = queue_open!("SELECT ", "");
+
+// Whether queue $1 is closed to claims now: paused, or without room (QUEUE_OPEN). No row: open.
+const QUEUE_CLOSED: &str = queue_open!("SELECT q.paused OR NOT (", ")");
+
+/// Whether `queue` takes no claim now (paused, full, or out of rate tokens): a claim of only
+/// such queues reads none of their jobs.
+pub fn queue_closed(client: &mut pgrx::spi::SpiClient, queue: &str) -> bool {
+    let rows = plans::execute(client, QUEUE_CLOSED, &[queue.into()]);
+    !rows.is_empty() && rows.first().get_one::<bool>().unwrap() == Some(true)
+}
 
 /// How many places a claim tries, one after another, for one job: a place is found taken after
 /// its lock only when a claim of it committed between two statements.

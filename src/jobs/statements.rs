@@ -211,6 +211,9 @@ pub(crate) const ALL_KINDS_ORDER: &str = "priority DESC, run_after, job_id";
 /// table (skipping those other claims hold). The claim reads no job of a kind it does not take,
 /// and at most `per_kind` of each kind it takes (`jobs::lease::claim_jobs` reads on when that
 /// falls short); the join is a nested loop over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
+/// Ordered by the kind first, which only the kind's index gives (the kind is the outer row's,
+/// no constant): the kept generic plan, which knows no kind, read the claim order otherwise
+/// once statistics made one kind look common, past every job of the others.
 pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'static str) {
     (
         format!(
@@ -223,7 +226,7 @@ pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'sta
                                      AND ($1::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($1))
                                      AND NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
                                                      WHERE q.queue_name = j.queue_name AND q.paused)
-                                   ORDER BY j.priority DESC, j.run_after, j.job_id
+                                   ORDER BY j.job_kind, j.priority DESC, j.run_after, j.job_id
                                    LIMIT {per_kind}) AS k
                      ORDER BY k.priority DESC, k.run_after, k.job_id) AS c(kind_job_id, kind_priority, kind_run_after)
                     JOIN durable_jobs.durable_job ON durable_job.job_id = c.kind_job_id"
