@@ -476,13 +476,13 @@ fn a_resumed_unlimited_queue_without_pending_jobs_has_no_series() {
          SELECT durable_jobs.resume_durable_job_queue('was_paused');
          SELECT durable_jobs.set_durable_job_queue_concurrency('was_limited', 3);
          SELECT durable_jobs.set_durable_job_queue_concurrency('was_limited', NULL);
-         SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 3);",
+         SELECT durable_jobs.set_durable_job_queue_concurrency('limited_series', 3);",
     )
     .unwrap();
     let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
     assert!(!text.contains("queue=\"was_paused\""), "{text}");
     assert!(!text.contains("queue=\"was_limited\""), "{text}");
-    assert!(text.contains("durable_jobs_queue_ready_jobs{queue=\"limited\"} 0\n"), "{text}");
+    assert!(text.contains("durable_jobs_queue_ready_jobs{queue=\"limited_series\"} 0\n"), "{text}");
 }
 
 #[pg_test]
@@ -490,19 +490,19 @@ fn prometheus_exposition_counts_keys_at_their_limit_and_usable_rate_tokens() {
     // Keys are counted per queue, never labels; a rate limit shows its usable tokens. Failed
     // before the gauges existed.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => key)
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_metrics', 1);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants_metrics', concurrency_key => key)
          FROM unnest(ARRAY['acme', 'acme', 'globex']) key;
-         SELECT durable_jobs.set_durable_job_queue_rate('api', 0.001, 3);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api');",
+         SELECT durable_jobs.set_durable_job_queue_rate('api_metrics', 0.001, 3);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api_metrics');",
     )
     .unwrap();
-    claim_from("tenants").unwrap();
-    claim_from("api").unwrap();
+    claim_from("tenants_metrics").unwrap();
+    claim_from("api_metrics").unwrap();
     let text: String = one("SELECT durable_jobs.durable_job_metrics_prometheus()");
     for line in [
-        "durable_jobs_queue_keys_at_limit{queue=\"tenants\"} 1\n",
-        "durable_jobs_queue_rate_tokens{queue=\"api\"} 2\n",
+        "durable_jobs_queue_keys_at_limit{queue=\"tenants_metrics\"} 1\n",
+        "durable_jobs_queue_rate_tokens{queue=\"api_metrics\"} 2\n",
     ] {
         assert!(text.contains(line), "{line} missing from:\n{text}");
     }

@@ -738,9 +738,9 @@ fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     // meanwhile gets none of them back, and one of them once a place is free. Failed before: both
     // came back, four jobs of the queue running.
     for _ in 0..4 {
-        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited')").unwrap();
+        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited_renewal')").unwrap();
     }
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited_renewal', 2)").unwrap();
     let ours = [claim("w").unwrap(), claim("w").unwrap()];
     Spi::run(&format!(
         "UPDATE durable_jobs.durable_job SET lease_expires_at = now() - interval '1 minute' WHERE job_id IN ({}, {})",
@@ -762,7 +762,7 @@ fn a_renewal_after_a_rollback_revives_no_lapsed_lease_past_its_queues_limit() {
     );
     let renewed = crate::jobs::lease::renew_leases_after_rollback(&ours, "w", 60);
     assert_eq!(renewed.iter().map(|(job_id, _)| *job_id).collect::<Vec<_>>(), [ours[0].0], "one place was free");
-    let running = Spi::get_one::<i64>("SELECT durable_jobs.durable_job_queue_running('limited')").unwrap();
+    let running = Spi::get_one::<i64>("SELECT durable_jobs.durable_job_queue_running('limited_renewal')").unwrap();
     assert_eq!(running, Some(2));
 }
 

@@ -92,11 +92,11 @@ fn the_summary_view_counts_per_queue_and_state() {
 #[pg_test]
 fn a_concurrency_limit_caps_running_jobs_per_queue() {
     for _ in 0..4 {
-        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited')").unwrap();
+        Spi::run("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited_caps')").unwrap();
     }
     let other: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'other')");
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 2)").unwrap();
-    let in_limited = || claim_from("limited");
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited_caps', 2)").unwrap();
+    let in_limited = || claim_from("limited_caps");
     let (first, first_token) = in_limited().unwrap();
     let (second, _) = in_limited().unwrap();
     assert!(in_limited().is_none(), "two are running: the limit is reached");
@@ -110,12 +110,12 @@ fn a_concurrency_limit_caps_running_jobs_per_queue() {
     assert_eq!(reclaimed, second, "the lapsed job is taken again, within the limit");
     assert!(in_limited().is_none());
     // NULL removes the limit.
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited', NULL)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('limited_caps', NULL)").unwrap();
     assert!(in_limited().is_some());
     assert_ne!(third, reclaimed);
     for (arguments, sqlstate) in [
-        ("'limited', 0", "22023"),
-        ("'limited', 100001", "22023"),
+        ("'limited_caps', 0", "22023"),
+        ("'limited_caps', 100001", "22023"),
         ("NULL, 3", "22004"),
         ("'bad queue', 3", "22023"),
     ] {
@@ -194,9 +194,9 @@ fn one_claim_statement_takes_no_more_of_a_limited_queue_than_its_free_places() {
     // Broken on purpose (the claim not recording the place on its job), it took two: the second
     // saw the first running outside the places.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 3);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited') FROM generate_series(1, 10);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'open') FROM generate_series(1, 4);",
+        "SELECT durable_jobs.set_durable_job_queue_concurrency('limited_batch', 3);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'limited_batch') FROM generate_series(1, 10);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'open_batch') FROM generate_series(1, 4);",
     )
     .unwrap();
     let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
@@ -204,18 +204,18 @@ fn one_claim_statement_takes_no_more_of_a_limited_queue_than_its_free_places() {
     assert_eq!(claimed.len(), 7);
     let places: Vec<Option<i32>> = one(
         "SELECT array_agg(queue_slot ORDER BY queue_slot) FROM durable_jobs.durable_job
-         WHERE job_state = 'running' AND queue_name = 'limited'",
+         WHERE job_state = 'running' AND queue_name = 'limited_batch'",
     );
     assert_eq!(places, [Some(1), Some(2), Some(3)]);
     let first_limited: i64 =
-        one("SELECT min(job_id) FROM durable_jobs.durable_job WHERE queue_name = 'limited'");
+        one("SELECT min(job_id) FROM durable_jobs.durable_job WHERE queue_name = 'limited_batch'");
     let taken: Vec<i64> = one(
         "SELECT array_agg(job_id ORDER BY job_id) FROM durable_jobs.durable_job
-         WHERE job_state = 'running' AND queue_name = 'limited'",
+         WHERE job_state = 'running' AND queue_name = 'limited_batch'",
     );
     assert_eq!(taken, [first_limited, first_limited + 1, first_limited + 2], "the first three, in claim order");
     // The next statement sees them run: nothing more of that queue.
-    assert!(claim_from("limited").is_none());
+    assert!(claim_from("limited_batch").is_none());
 }
 
 #[pg_test]
@@ -223,15 +223,15 @@ fn jobs_running_outside_the_places_keep_a_limited_queue_full_until_they_end() {
     // Jobs that started before the queue had a limit hold no place: the queue counts as full
     // while they run, whatever its limit. Broken on purpose (PLACE_STILL_FREE checking only the
     // place itself), the claim took a third job beside the two running.
-    let jobs: Vec<i64> = (0..3).map(|_| one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'late')")).collect();
-    let first = claim_from("late").unwrap();
-    let second = claim_from("late").unwrap();
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('late', 2)").unwrap();
-    assert!(claim_from("late").is_none(), "two run without a place: the queue is full");
+    let jobs: Vec<i64> = (0..3).map(|_| one("SELECT durable_jobs.enqueue_durable_job('k', '{}', NULL, 'late_limit')")).collect();
+    let first = claim_from("late_limit").unwrap();
+    let second = claim_from("late_limit").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_concurrency('late_limit', 2)").unwrap();
+    assert!(claim_from("late_limit").is_none(), "two run without a place: the queue is full");
     assert_eq!(complete(first.0, "w", first.1), "succeeded");
-    assert!(claim_from("late").is_none(), "one still runs outside the places");
+    assert!(claim_from("late_limit").is_none(), "one still runs outside the places");
     assert_eq!(complete(second.0, "w", second.1), "succeeded");
-    let (third, _) = claim_from("late").unwrap();
+    let (third, _) = claim_from("late_limit").unwrap();
     assert_eq!(third, jobs[2]);
     assert_eq!(job_field::<i32>(third, "queue_slot"), Some(1));
 }
@@ -242,13 +242,13 @@ fn a_key_at_its_limit_is_skipped_and_the_next_jobs_are_claimed_in_order() {
     // a key, in claim order, and skips the second job of each key; a key's next job runs once
     // its running one ends. Broken on purpose (the claim's filter without the key's place), it
     // took both jobs of keys a and b.
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_order', 1)").unwrap();
     let jobs: Vec<i64> = ["a", "a", "b", "", "b", "c"]
         .iter()
         .map(|key| {
             let key = if key.is_empty() { "NULL".to_string() } else { format!("'{key}'") };
             one(&format!(
-                "SELECT durable_jobs.enqueue_durable_job('k', '{{}}', queue_name => 'tenants', concurrency_key => {key})"
+                "SELECT durable_jobs.enqueue_durable_job('k', '{{}}', queue_name => 'tenants_order', concurrency_key => {key})"
             ))
         })
         .collect();
@@ -261,22 +261,22 @@ fn a_key_at_its_limit_is_skipped_and_the_next_jobs_are_claimed_in_order() {
         jobs[0], jobs[2], jobs[5]
     ));
     assert_eq!(places, [Some(1), Some(1), Some(1)]);
-    assert!(claim_from("tenants").is_none(), "a and b run, c has no other job");
+    assert!(claim_from("tenants_order").is_none(), "a and b run, c has no other job");
     let token: pgrx::Uuid = job_field(jobs[0], "lease_token").unwrap();
     assert_eq!(complete(jobs[0], "w", token), "succeeded");
-    assert_eq!(claim_from("tenants").map(|(job, _)| job), Some(jobs[1]), "a's next job");
-    assert!(claim_from("tenants").is_none());
+    assert_eq!(claim_from("tenants_order").map(|(job, _)| job), Some(jobs[1]), "a's next job");
+    assert!(claim_from("tenants_order").is_none());
     // A key's places are made when they are missing (its jobs enqueued while the limit was being
     // set, say): the claim makes them.
     Spi::run("DELETE FROM durable_jobs.durable_job_key_slot WHERE concurrency_key = 'b'").unwrap();
     let token: pgrx::Uuid = job_field(jobs[2], "lease_token").unwrap();
     assert_eq!(complete(jobs[2], "w", token), "succeeded");
-    assert_eq!(claim_from("tenants").map(|(job, _)| job), Some(jobs[4]), "b's next job");
+    assert_eq!(claim_from("tenants_order").map(|(job, _)| job), Some(jobs[4]), "b's next job");
     // NULL lifts the limit; bad arguments are refused.
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', NULL)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_order', NULL)").unwrap();
     for (statement, sqlstate) in [
-        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 0)", "22023"),
-        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1001)", "22023"),
+        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_order', 0)", "22023"),
+        ("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_order', 1001)", "22023"),
         ("SELECT durable_jobs.set_durable_job_queue_key_concurrency(NULL, 1)", "22004"),
         ("SELECT durable_jobs.enqueue_durable_job('k', '{}', concurrency_key => 'bad key')", "22023"),
         ("SELECT durable_jobs.enqueue_durable_job('k', '{}', concurrency_key => '')", "22023"),
@@ -291,10 +291,10 @@ fn a_key_limit_counts_the_keys_jobs_across_enqueuers_and_batch_enqueues() {
     // the key's places: with a limit of 2, two run. Broken on purpose (the batch enqueue not
     // writing the key), three ran.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 2);
-         SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{}', '{}']::jsonb[], queue_name => 'tenants',
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_batch', 2);
+         SELECT durable_jobs.enqueue_durable_jobs('k', ARRAY['{}', '{}']::jsonb[], queue_name => 'tenants_batch',
                                                   concurrency_key => 'acme');
-         SELECT durable_jobs.enqueue_or_get_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => 'acme');",
+         SELECT durable_jobs.enqueue_or_get_durable_job('k', '{}', queue_name => 'tenants_batch', concurrency_key => 'acme');",
     )
     .unwrap();
     let installed = crate::pg::privilege::Installed::from(&crate::pg::privilege::installed_row().unwrap());
@@ -310,17 +310,17 @@ fn a_rate_limit_starts_no_more_than_its_burst_until_a_token_comes_back() {
     // period away; each start is the time its token was taken. Broken on purpose (the claim's
     // filter without the token), the third claim took a third job.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_rate('api', 0.002, 2);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api') FROM generate_series(1, 3);",
+        "SELECT durable_jobs.set_durable_job_queue_rate('api_burst', 0.002, 2);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api_burst') FROM generate_series(1, 3);",
     )
     .unwrap();
     let other: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'other', priority => -1)");
-    assert!(claim_from("api").is_some());
-    assert!(claim_from("api").is_some());
-    assert!(claim_from("api").is_none(), "no token left");
+    assert!(claim_from("api_burst").is_some());
+    assert!(claim_from("api_burst").is_some());
+    assert!(claim_from("api_burst").is_none(), "no token left");
     assert_eq!(claim("w").map(|(job, _)| job), Some(other), "other queues are not limited");
     let next_in: f64 = one(
-        "SELECT extract(epoch FROM durable_jobs.get_durable_job_queue_next_start('api') - clock_timestamp())::float8",
+        "SELECT extract(epoch FROM durable_jobs.get_durable_job_queue_next_start('api_burst') - clock_timestamp())::float8",
     );
     assert!(next_in > 900.0 && next_in <= 1000.0, "the next start is a period (1000 s) away: {next_in}");
     let starts_at_tokens: bool = one(
@@ -328,26 +328,26 @@ fn a_rate_limit_starts_no_more_than_its_burst_until_a_token_comes_back() {
          FROM durable_jobs.durable_job j
          JOIN durable_jobs.durable_job_rate_token t ON t.queue_name = j.queue_name
           AND t.next_at = j.attempt_started_at + interval '1000 seconds'
-         WHERE j.queue_name = 'api' AND j.job_state = 'running'",
+         WHERE j.queue_name = 'api_burst' AND j.job_state = 'running'",
     );
     assert!(starts_at_tokens, "each start is its token's time");
     assert!(one::<bool>("SELECT durable_jobs.get_durable_job_queue_next_start('other') IS NULL"));
     // NULL lifts it.
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', NULL)").unwrap();
-    assert!(claim_from("api").is_some());
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api_burst', NULL)").unwrap();
+    assert!(claim_from("api_burst").is_some());
     for (arguments, sqlstate) in [
-        ("'api', 0", "22023"),
-        ("'api', -1", "22023"),
-        ("'api', 'NaN'", "22023"),
-        ("'api', 'Infinity'", "22023"),
-        ("'api', 1e7", "22023"),
-        ("'api', 10, 0", "22023"),
-        ("'api', 10, 10001", "22023"),
-        ("'api', 10, NULL", "22004"),
+        ("'api_burst', 0", "22023"),
+        ("'api_burst', -1", "22023"),
+        ("'api_burst', 'NaN'", "22023"),
+        ("'api_burst', 'Infinity'", "22023"),
+        ("'api_burst', 1e7", "22023"),
+        ("'api_burst', 10, 0", "22023"),
+        ("'api_burst', 10, 10001", "22023"),
+        ("'api_burst', 10, NULL", "22004"),
         ("NULL, 10", "22004"),
         // A period (burst / rate) past a year: its token's next time would overflow a timestamp.
-        ("'api', 1e-300", "22023"),
-        ("'api', 1e-10, 10000", "22023"),
+        ("'api_burst', 1e-300", "22023"),
+        ("'api_burst', 1e-10, 10000", "22023"),
     ] {
         assert_rejected(&format!("SELECT durable_jobs.set_durable_job_queue_rate({arguments})"), sqlstate);
     }
@@ -404,17 +404,17 @@ fn a_claim_of_closed_queues_reads_none_of_their_jobs() {
     // queues takes nothing and reads none of them. Broken on purpose (no look at the queues
     // first), it read the 5,000.
     Spi::run(
-        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'held');
-         SELECT durable_jobs.pause_durable_job_queue('held');
-         SELECT durable_jobs.set_durable_job_queue_rate('slow', 0.001);
-         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'slow');",
+        "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'held_closed');
+         SELECT durable_jobs.pause_durable_job_queue('held_closed');
+         SELECT durable_jobs.set_durable_job_queue_rate('slow_closed', 0.001);
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('k', array_fill('{}'::jsonb, ARRAY[5000]), queue_name => 'slow_closed');",
     )
     .unwrap();
-    assert!(claim_from("slow").is_some(), "the token");
+    assert!(claim_from("slow_closed").is_some(), "the token");
     let before = job_rows_read();
-    assert!(claim_from("slow").is_none());
+    assert!(claim_from("slow_closed").is_none());
     assert!(Spi::get_one::<i64>(
-        "SELECT job_id FROM durable_jobs.claim_next_durable_job('w', ARRAY['held', 'slow'])"
+        "SELECT job_id FROM durable_jobs.claim_next_durable_job('w', ARRAY['held_closed', 'slow_closed'])"
     )
     .is_err_and(|error| matches!(error, pgrx::spi::SpiError::InvalidPosition)));
     let read = job_rows_read() - before;
@@ -453,17 +453,17 @@ fn a_new_rate_applies_to_tokens_spent_under_the_old_one() {
     // of the new rate of 100 a second; removing the rate drops the tokens. Failed before: the
     // next start stayed a thousand seconds away.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_rate('api', 0.001);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api') FROM generate_series(1, 2);",
+        "SELECT durable_jobs.set_durable_job_queue_rate('api_reset', 0.001);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'api_reset') FROM generate_series(1, 2);",
     )
     .unwrap();
-    assert!(claim_from("api").is_some());
-    assert!(claim_from("api").is_none());
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', 100)").unwrap();
+    assert!(claim_from("api_reset").is_some());
+    assert!(claim_from("api_reset").is_none());
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api_reset', 100)").unwrap();
     assert!(one::<bool>(
-        "SELECT durable_jobs.get_durable_job_queue_next_start('api') <= clock_timestamp() + interval '10 ms'"
+        "SELECT durable_jobs.get_durable_job_queue_next_start('api_reset') <= clock_timestamp() + interval '10 ms'"
     ));
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api', NULL)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_rate('api_reset', NULL)").unwrap();
     assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_rate_token"), 0);
 }
 
@@ -472,8 +472,8 @@ fn the_places_of_keys_without_pending_jobs_are_pruned() {
     // Every new key value gets its places: pruning deletes those of keys with no pending job,
     // and lifting the limit deletes them all. Failed before: the 3,000 places stayed.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', 1000);
-         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants', concurrency_key => 'key-' || n)
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_pruned', 1000);
+         SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'tenants_pruned', concurrency_key => 'key-' || n)
          FROM generate_series(1, 3) n;",
     )
     .unwrap();
@@ -487,7 +487,7 @@ fn the_places_of_keys_without_pending_jobs_are_pruned() {
         "SELECT array_agg(DISTINCT concurrency_key) FROM durable_jobs.durable_job_key_slot",
     );
     assert_eq!(kept, ["key-3"], "the key with a pending job keeps its places");
-    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants', NULL)").unwrap();
+    Spi::run("SELECT durable_jobs.set_durable_job_queue_key_concurrency('tenants_pruned', NULL)").unwrap();
     assert_eq!(one::<i64>("SELECT count(*) FROM durable_jobs.durable_job_key_slot"), 0);
 }
 
@@ -496,15 +496,15 @@ fn a_job_kinds_claim_reaches_jobs_behind_a_full_queues_backlog_of_its_kind() {
     // Forty jobs of kind ext in a queue at its limit, ahead in claim order, then five in an open
     // queue: a job_kinds claim takes one of those five, with or without naming their queue.
     Spi::run(
-        "SELECT durable_jobs.set_durable_job_queue_concurrency('lim', 1);
+        "SELECT durable_jobs.set_durable_job_queue_concurrency('lim_kinds', 1);
          SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('ext', array_fill('{}'::jsonb, ARRAY[41]),
-                                                                queue_name => 'lim', run_after => now() - interval '1 hour');
-         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('ext', array_fill('{}'::jsonb, ARRAY[5]), queue_name => 'o');",
+                                                                queue_name => 'lim_kinds', run_after => now() - interval '1 hour');
+         SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('ext', array_fill('{}'::jsonb, ARRAY[5]), queue_name => 'open_kinds');",
     )
     .unwrap();
-    assert!(claim_from("lim").is_some(), "the queue lim is full from here");
+    assert!(claim_from("lim_kinds").is_some(), "the queue lim is full from here");
     let open_queue = |claimed: Option<i64>| -> bool {
-        claimed.is_some_and(|job| job_field::<String>(job, "queue_name").as_deref() == Some("o"))
+        claimed.is_some_and(|job| job_field::<String>(job, "queue_name").as_deref() == Some("open_kinds"))
     };
     let claim_kinds = |queues: &str| -> Option<i64> {
         Spi::get_one::<i64>(&format!(
@@ -513,6 +513,6 @@ fn a_job_kinds_claim_reaches_jobs_behind_a_full_queues_backlog_of_its_kind() {
         .ok()
         .flatten()
     };
-    assert!(open_queue(claim_kinds("ARRAY['o']")), "naming the open queue");
+    assert!(open_queue(claim_kinds("ARRAY['open_kinds']")), "naming the open queue");
     assert!(open_queue(claim_kinds("NULL")), "any queue");
 }

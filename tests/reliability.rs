@@ -692,3 +692,83 @@ fn a_long_open_transaction_holding_back_vacuum_while_jobs_flow() {
          {released_rate:.0} after it ended and vacuum ran; dead versions {dead_while_held} held, {dead_after} after"
     );
 }
+
+/// Limits hold through a crash: a queue limited to three running jobs and to one per key, drained
+/// by two background workers (batches of ten) and three external claimers while a worker is
+/// killed with SIGKILL (its leases lapse and are claimed again). Every handler, background or
+/// external, records how many jobs of the queue, and of its key, ran then (live leases): never
+/// more than the limits; and every job took effect once. Broken on purpose (the claim's key
+/// condition removed), a handler saw two jobs of its key running.
+#[test]
+fn limits_hold_while_a_worker_is_killed() {
+    const JOBS: i64 = 400;
+    let cluster =
+        Arc::new(Cluster::start(&format!("{WORKER_CONF}{FAULT_CONF}durable_jobs.claim_batch_size = 10\n")));
+    let mut client = cluster.connect();
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.seen (n bigint, running bigint, running_key bigint, applied_by text);
+             CREATE FUNCTION public.note_limits(payload jsonb, who text DEFAULT 'worker') RETURNS void
+             LANGUAGE sql AS $$
+                 INSERT INTO public.seen
+                 SELECT ($1->>'n')::bigint, count(*), count(*) FILTER (WHERE concurrency_key = $1->>'key'), who
+                 FROM durable_jobs.durable_job
+                 WHERE queue_name = 'limited' AND job_state = 'running' AND lease_expires_at > clock_timestamp() $$;
+             CREATE FUNCTION public.note_limits_of_worker(payload jsonb) RETURNS void LANGUAGE sql
+                 AS $$ SELECT public.note_limits($1) $$;
+             SELECT durable_jobs.register_durable_job_handler('limited_work', 'public.note_limits_of_worker(jsonb)');
+             SELECT durable_jobs.set_durable_job_queue_concurrency('limited', 3);
+             SELECT durable_jobs.set_durable_job_queue_key_concurrency('limited', 1);
+             SELECT count(*) FROM (
+                 SELECT durable_jobs.enqueue_durable_job('limited_work', jsonb_build_object('n', g, 'key', 'k' || (g % 7)),
+                                                         queue_name => 'limited', concurrency_key => 'k' || (g % 7))
+                 FROM generate_series(1, {JOBS}) g) enqueued;"
+        ))
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    // External claimers: claim, record, complete in one transaction; a connection the crash
+    // restart ended is opened again.
+    let externals: Vec<_> = (0..3)
+        .map(|i| {
+            let (cluster, stop) = (Arc::clone(&cluster), Arc::clone(&stop));
+            thread::spawn(move || {
+                let mut client = cluster.connect_when_ready(Duration::from_secs(60));
+                while !stop.load(Ordering::Relaxed) {
+                    let round = client.batch_execute(&format!(
+                        "BEGIN;
+                         SELECT public.note_limits(c.payload, 'external'),
+                                durable_jobs.complete_durable_job(c.job_id, 'external-{i}', c.lease_token)
+                         FROM durable_jobs.claim_next_durable_job('external-{i}', ARRAY['limited']) c;
+                         COMMIT;"
+                    ));
+                    if round.is_err() {
+                        thread::sleep(Duration::from_millis(50));
+                        client = cluster.connect_when_ready(Duration::from_secs(60));
+                    }
+                }
+            })
+        })
+        .collect();
+    wait_until(Duration::from_secs(60), "a hundred jobs to run", || {
+        count(&mut client, "SELECT count(*) FROM public.seen") >= 100
+    });
+    kill_a_worker(&cluster);
+    let mut client = cluster.connect_when_ready(Duration::from_secs(60));
+    wait_until(Duration::from_secs(120), "every job to run", || {
+        count(&mut client, "SELECT count(*) FROM durable_jobs.durable_job WHERE job_state = 'succeeded'")
+            == JOBS
+    });
+    stop.store(true, Ordering::Relaxed);
+    for external in externals {
+        external.join().unwrap();
+    }
+    assert!(count(&mut client, "SELECT max(running) FROM public.seen") <= 3, "never more than three running");
+    assert_eq!(count(&mut client, "SELECT max(running_key) FROM public.seen"), 1, "never two of a key");
+    assert_eq!(count(&mut client, "SELECT count(DISTINCT n) FROM public.seen"), JOBS);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM public.seen"), JOBS, "each job took effect once");
+    assert!(
+        count(&mut client, "SELECT count(*) FROM public.seen WHERE applied_by = 'external'") > 0
+            && count(&mut client, "SELECT count(*) FROM public.seen WHERE applied_by = 'worker'") > 0,
+        "both kinds of worker took part"
+    );
+}

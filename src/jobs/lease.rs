@@ -90,7 +90,8 @@ const READY_OF_KINDS: &str = "
     SELECT EXISTS (
         SELECT FROM pg_catalog.unnest($1::pg_catalog.text[]) AS wanted(kind),
              LATERAL (SELECT FROM durable_jobs.durable_job j
-                      WHERE j.job_kind = wanted.kind AND j.job_state IN ('available', 'running')
+                      WHERE j.job_kind >= wanted.kind AND j.job_kind <= wanted.kind
+                        AND j.job_state IN ('available', 'running')
                         AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
                              OR (j.lease_expires_at <= pg_catalog.clock_timestamp()
                                  AND j.attempt_count < j.max_attempts))

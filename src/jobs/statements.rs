@@ -211,16 +211,19 @@ pub(crate) const ALL_KINDS_ORDER: &str = "priority DESC, run_after, job_id";
 /// table (skipping those other claims hold). The claim reads no job of a kind it does not take,
 /// and at most `per_kind` of each kind it takes (`jobs::lease::claim_jobs` reads on when that
 /// falls short); the join is a nested loop over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
-/// Ordered by the kind first, which only the kind's index gives (the kind is the outer row's,
-/// no constant): the kept generic plan, which knows no kind, read the claim order otherwise
-/// once statistics made one kind look common, past every job of the others.
+/// The kind is asked for as a range of one value, and the rows ordered by the kind first, which
+/// only the kind's index gives: with `job_kind = wanted.kind` the planner takes the kind for a
+/// constant within each lateral call and may read the claim order instead, and the kept
+/// generic plan, which knows no kind, did so once statistics made one kind look common, past
+/// every job of the others (a claim of 30 ms behind 50,000 jobs of another kind).
 pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'static str) {
     (
         format!(
             "(SELECT k.job_id, k.priority, k.run_after
                      FROM pg_catalog.unnest({kinds}::pg_catalog.text[]) AS wanted(kind),
                           LATERAL (SELECT j.job_id, j.priority, j.run_after FROM durable_jobs.durable_job j
-                                   WHERE j.job_kind = wanted.kind AND j.job_state IN ('available', 'running')
+                                   WHERE j.job_kind >= wanted.kind AND j.job_kind <= wanted.kind
+                                     AND j.job_state IN ('available', 'running')
                                      AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
                                           OR j.lease_expires_at <= pg_catalog.clock_timestamp())
                                      AND ($1::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($1))
