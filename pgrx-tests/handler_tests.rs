@@ -507,6 +507,12 @@ fn prometheus_exposition_counts_keys_at_their_limit_and_usable_rate_tokens() {
         assert!(text.contains(line), "{line} missing from:\n{text}");
     }
     assert!(!text.contains("acme"), "a key is no label");
+    // The queue summary shows the same.
+    let summary = Spi::get_two::<i64, i64>(
+        "SELECT (SELECT max(keys_at_limit) FROM durable_jobs.durable_job_queue_summary WHERE queue_name = 'tenants_metrics'),
+                (SELECT max(rate_tokens) FROM durable_jobs.durable_job_queue_summary WHERE queue_name = 'api_metrics')",
+    );
+    assert_eq!(summary, Ok((Some(1), Some(2))));
 }
 
 #[pg_test]

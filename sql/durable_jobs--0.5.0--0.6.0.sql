@@ -284,6 +284,53 @@ CREATE TABLE durable_jobs.durable_job_rate_token (
 );
 SELECT pg_catalog.pg_extension_config_dump('durable_jobs.durable_job_rate_token', '');
 REVOKE ALL ON durable_jobs.durable_job_rate_token FROM PUBLIC;
+-- Columns added at the end: the view keeps its owner and its grants.
+CREATE OR REPLACE VIEW durable_jobs.durable_job_queue_summary AS
+SELECT j.queue_name,
+       j.job_state,
+       pg_catalog.count(*) AS job_count,
+       pg_catalog.max(pg_catalog.clock_timestamp() - j.run_after)
+           FILTER (WHERE j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
+           AS oldest_ready_age,
+       pg_catalog.count(*)
+           FILTER (WHERE j.job_state = 'running' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
+           AS expired_leases,
+       COALESCE(q.paused, false) AS queue_paused,
+       q.concurrency_limit,
+       q.key_concurrency_limit,
+       CASE WHEN q.key_concurrency_limit IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM (
+            SELECT FROM durable_jobs.durable_job r
+            WHERE r.queue_name = j.queue_name AND r.job_state = 'running' AND r.concurrency_key IS NOT NULL
+              AND r.lease_expires_at > pg_catalog.clock_timestamp()
+            GROUP BY r.concurrency_key
+            HAVING pg_catalog.count(*) >= q.key_concurrency_limit) k) END AS keys_at_limit,
+       q.rate_per_second,
+       q.rate_burst,
+       CASE WHEN q.rate_burst IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job_rate_token t
+        WHERE t.queue_name = j.queue_name AND t.token <= q.rate_burst AND t.next_at <= pg_catalog.clock_timestamp()) END AS rate_tokens
+FROM durable_jobs.durable_job j
+LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit, q.key_concurrency_limit, q.rate_per_second,
+         q.rate_burst
+UNION ALL
+-- A queue with a control but no job still shows, with no state, so that a paused queue is seen.
+SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit, q.key_concurrency_limit,
+       CASE WHEN q.key_concurrency_limit IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM (
+            SELECT FROM durable_jobs.durable_job r
+            WHERE r.queue_name = q.queue_name AND r.job_state = 'running' AND r.concurrency_key IS NOT NULL
+              AND r.lease_expires_at > pg_catalog.clock_timestamp()
+            GROUP BY r.concurrency_key
+            HAVING pg_catalog.count(*) >= q.key_concurrency_limit) k) END,
+       q.rate_per_second, q.rate_burst,
+       CASE WHEN q.rate_burst IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job_rate_token t
+        WHERE t.queue_name = q.queue_name AND t.token <= q.rate_burst AND t.next_at <= pg_catalog.clock_timestamp()) END
+FROM durable_jobs.durable_job_queue q
+WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name);
+
 CREATE FUNCTION durable_jobs.durable_job_take_rate_token(
     queue pg_catalog.text, job_id pg_catalog.int8, row_version pg_catalog.tid)
     RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 10000

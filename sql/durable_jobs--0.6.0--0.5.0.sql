@@ -8,8 +8,8 @@
 -- install.
 \echo Use "ALTER EXTENSION durable_jobs UPDATE TO '0.5.0'" to load this file. \quit
 
--- A view cannot drop columns in place: each (durable_job_handlers, durable_job_queue_controls) is
--- made again, and given back its owner, the grants
+-- A view cannot drop columns in place: each (durable_job_handlers, durable_job_queue_summary,
+-- durable_job_queue_controls) is made again, and given back its owner, the grants
 -- made on it and on its columns (all recorded as granted by its owner, also those another role
 -- with the grant option made), and the initial privileges pg_dump compares them with, so that a
 -- dump still carries those grants, as before the downgrade. A view of yours over it stops the
@@ -40,6 +40,26 @@ BEGIN
         ('durable_jobs.durable_job_handlers', 4, NULL,
          'WITH h AS (SELECT * FROM durable_jobs.durable_job_handler)
           SELECT h.job_kind, h.handler, h.registered_by, h.registered_at FROM h'),
+        ('durable_jobs.durable_job_queue_summary', 7, NULL,
+         'SELECT j.queue_name,
+       j.job_state,
+       pg_catalog.count(*) AS job_count,
+       pg_catalog.max(pg_catalog.clock_timestamp() - j.run_after)
+           FILTER (WHERE j.job_state = ''available'' AND j.run_after <= pg_catalog.clock_timestamp())
+           AS oldest_ready_age,
+       pg_catalog.count(*)
+           FILTER (WHERE j.job_state = ''running'' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
+           AS expired_leases,
+       COALESCE(q.paused, false) AS queue_paused,
+       q.concurrency_limit
+FROM durable_jobs.durable_job j
+LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit
+UNION ALL
+-- A queue with a control but no job still shows, with no state, so that a paused queue is seen.
+SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit
+FROM durable_jobs.durable_job_queue q
+WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name)'),
         ('durable_jobs.durable_job_queue_controls', 5,
          'ALTER TABLE durable_jobs.durable_job_queue DROP COLUMN key_concurrency_limit,
               DROP COLUMN rate_per_second, DROP COLUMN rate_burst',

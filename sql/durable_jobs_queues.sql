@@ -107,7 +107,8 @@ CREATE FUNCTION durable_jobs.durable_job_taken_key_slot(job_id pg_catalog.int8)
     AS 'MODULE_PATHNAME', 'durable_job_taken_key_slot';
 
 -- Per queue and state: how many jobs, how long the oldest ready job has waited, and how many
--- running jobs hold an expired lease (their worker died or stalled).
+-- running jobs hold an expired lease (their worker died or stalled); the queue's controls, with
+-- (since 0.6.0) its keys at their limit and its usable rate tokens.
 CREATE VIEW durable_jobs.durable_job_queue_summary AS
 SELECT j.queue_name,
        j.job_state,
@@ -119,13 +120,38 @@ SELECT j.queue_name,
            FILTER (WHERE j.job_state = 'running' AND j.lease_expires_at <= pg_catalog.clock_timestamp())
            AS expired_leases,
        COALESCE(q.paused, false) AS queue_paused,
-       q.concurrency_limit
+       q.concurrency_limit,
+       q.key_concurrency_limit,
+       CASE WHEN q.key_concurrency_limit IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM (
+            SELECT FROM durable_jobs.durable_job r
+            WHERE r.queue_name = j.queue_name AND r.job_state = 'running' AND r.concurrency_key IS NOT NULL
+              AND r.lease_expires_at > pg_catalog.clock_timestamp()
+            GROUP BY r.concurrency_key
+            HAVING pg_catalog.count(*) >= q.key_concurrency_limit) k) END AS keys_at_limit,
+       q.rate_per_second,
+       q.rate_burst,
+       CASE WHEN q.rate_burst IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job_rate_token t
+        WHERE t.queue_name = j.queue_name AND t.token <= q.rate_burst AND t.next_at <= pg_catalog.clock_timestamp()) END AS rate_tokens
 FROM durable_jobs.durable_job j
 LEFT JOIN durable_jobs.durable_job_queue q ON q.queue_name = j.queue_name
-GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit
+GROUP BY j.queue_name, j.job_state, q.paused, q.concurrency_limit, q.key_concurrency_limit, q.rate_per_second,
+         q.rate_burst
 UNION ALL
 -- A queue with a control but no job still shows, with no state, so that a paused queue is seen.
-SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit
+SELECT q.queue_name, NULL, 0, NULL, 0, q.paused, q.concurrency_limit, q.key_concurrency_limit,
+       CASE WHEN q.key_concurrency_limit IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM (
+            SELECT FROM durable_jobs.durable_job r
+            WHERE r.queue_name = q.queue_name AND r.job_state = 'running' AND r.concurrency_key IS NOT NULL
+              AND r.lease_expires_at > pg_catalog.clock_timestamp()
+            GROUP BY r.concurrency_key
+            HAVING pg_catalog.count(*) >= q.key_concurrency_limit) k) END,
+       q.rate_per_second, q.rate_burst,
+       CASE WHEN q.rate_burst IS NOT NULL THEN
+       (SELECT pg_catalog.count(*) FROM durable_jobs.durable_job_rate_token t
+        WHERE t.queue_name = q.queue_name AND t.token <= q.rate_burst AND t.next_at <= pg_catalog.clock_timestamp()) END
 FROM durable_jobs.durable_job_queue q
 WHERE NOT EXISTS (SELECT 1 FROM durable_jobs.durable_job j WHERE j.queue_name = q.queue_name);
 
