@@ -177,6 +177,7 @@ fn every_function_pins_search_path_and_declares_volatility() {
                 None,
                 &[crate::pg::constraints::C_FUNCTIONS
                     .iter()
+                    .chain(&crate::jobs::held_rows::C_FUNCTIONS)
                     .chain(&crate::jobs::slots::C_FUNCTIONS)
                     .chain(&crate::jobs::rates::C_FUNCTIONS)
                     .copied()

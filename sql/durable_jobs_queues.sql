@@ -26,7 +26,7 @@ COMMENT ON TABLE durable_jobs.durable_job_queue IS
     'set_durable_job_queue_concurrency.';
 
 -- Whether a row version of the job table is held by another transaction in progress (an update
--- or a row lock not yet committed): a C function of the library (src/jobs/slots.rs).
+-- or a row lock not yet committed): a C function of the library (src/jobs/held_rows.rs).
 CREATE FUNCTION durable_jobs.durable_job_row_held(row_version pg_catalog.tid)
     RETURNS pg_catalog.bool LANGUAGE c VOLATILE STRICT PARALLEL SAFE
     AS 'MODULE_PATHNAME', 'durable_job_row_held';

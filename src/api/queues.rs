@@ -77,6 +77,14 @@ const SET_CONCURRENCY: &str = set_concurrency!(
 // On a schema from before 0.6.0, whose claims count a limited queue's running jobs.
 const SET_CONCURRENCY_ON_OLD_SCHEMA: &str = set_concurrency!("");
 
+/// A limit argument: NULL (no limit) or 1 to `max`; anything else is refused (22023).
+fn optional_limit(limit: Option<i32>, argument: &str, max: i32) -> Option<i32> {
+    if limit.is_some_and(|limit| !(1..=max).contains(&limit)) {
+        arguments::invalid(&format!("{argument} must be NULL (no limit) or between 1 and {max}"));
+    }
+    limit
+}
+
 /// Upper bound of a queue's concurrency limit.
 const CONCURRENCY_LIMIT_MAX: i32 = 100_000;
 
@@ -88,13 +96,7 @@ const CONCURRENCY_LIMIT_MAX: i32 = 100_000;
 fn set_durable_job_queue_concurrency(queue_name: Option<String>, concurrency_limit: Option<i32>) {
     crate::jobs::direct_lease::withdraw();
     let queue_name = arguments::name(queue_name, "queue_name");
-    if let Some(limit) = concurrency_limit {
-        if !(1..=CONCURRENCY_LIMIT_MAX).contains(&limit) {
-            arguments::invalid(&format!(
-                "concurrency_limit must be NULL (no limit) or between 1 and {CONCURRENCY_LIMIT_MAX}"
-            ));
-        }
-    }
+    let concurrency_limit = optional_limit(concurrency_limit, "concurrency_limit", CONCURRENCY_LIMIT_MAX);
     let changed_by = caller().role_name;
     as_extension_owner_of(|installed| {
         let statement =
@@ -140,13 +142,8 @@ const KEY_CONCURRENCY_LIMIT_MAX: i32 = 1_000;
 fn set_durable_job_queue_key_concurrency(queue_name: Option<String>, max_running_per_key: Option<i32>) {
     crate::jobs::direct_lease::withdraw();
     let queue_name = arguments::name(queue_name, "queue_name");
-    if let Some(limit) = max_running_per_key {
-        if !(1..=KEY_CONCURRENCY_LIMIT_MAX).contains(&limit) {
-            arguments::invalid(&format!(
-                "max_running_per_key must be NULL (no limit) or between 1 and {KEY_CONCURRENCY_LIMIT_MAX}"
-            ));
-        }
-    }
+    let max_running_per_key =
+        optional_limit(max_running_per_key, "max_running_per_key", KEY_CONCURRENCY_LIMIT_MAX);
     let changed_by = caller().role_name;
     as_extension_owner(|| {
         first_value_of::<i32>(

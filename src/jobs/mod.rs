@@ -7,6 +7,7 @@ pub mod attempts;
 pub mod counters;
 pub mod direct_lease;
 pub mod failure;
+pub mod held_rows;
 pub mod histograms;
 pub mod hooks;
 pub mod lease;

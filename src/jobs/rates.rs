@@ -10,7 +10,7 @@
 //! remembers when the queue's next token comes (`next_token_at`), for the background worker to
 //! sleep until then instead of a poll interval.
 
-use crate::jobs::slots::row_held;
+use crate::jobs::held_rows::row_held;
 use crate::pg::plans;
 use pgrx::pg_sys;
 use pgrx::prelude::*;

@@ -1,5 +1,5 @@
 //! The SQL texts of the lease state machine: the claim, the fence every transition out of
-//! `running` passes, renewals, batch completion, release and cancel. One file, about 600
+//! `running` passes, renewals, batch completion, release and cancel. One file, about 650
 //! lines, so that the fence and the lease columns are written once, as macros the statements are
 //! assembled from at compile time (`concat!`); `jobs::lease` and `api::lease` run them.
 
