@@ -1,9 +1,9 @@
 """Claimers of a rate-limited queue for bench/limits.sh: each claims and completes a job of queue
-`paced` in one transaction, and after a claim that took nothing sleeps until the queue's next
-start (get_durable_job_queue_next_start), as an external worker should.
+`paced` in one transaction, and after a claim that took nothing sleeps until just before the
+queue's next start (get_durable_job_queue_next_start), as an external worker should.
 Usage: rate_claimers.py <conninfo> <claimers> <seconds>"""
 import sys
-import threading
+import multiprocessing
 import time
 
 import psycopg
@@ -17,18 +17,37 @@ NEXT_START = """SELECT extract(epoch FROM durable_jobs.get_durable_job_queue_nex
                                       - clock_timestamp())::float8"""
 
 
+# A claimer wakes this long before the next start and claims again at once until it starts a job
+# (or this much more has passed): what a token waits between coming back and being taken is
+# lost to the rate, since a token is usable again a period after it was taken.
+EARLY = 0.001
+# How long a claimer waits when the next start is now but its claim took nothing: another claim
+# holds the token until its transaction ends.
+BUSY = 0.0002
+
+
 def claimer(number):
     with psycopg.connect(conninfo, autocommit=True) as connection:
         worker = f"rate-{number}"
+        retry_until = 0.0
         while time.monotonic() < deadline:
-            if connection.execute(CLAIM, {"worker": worker}).fetchone() is None:
-                wait = connection.execute(NEXT_START).fetchone()[0]
-                if wait and wait > 0:
-                    time.sleep(min(wait, 0.5))
+            if connection.execute(CLAIM, {"worker": worker}).fetchone() is not None:
+                continue
+            if time.monotonic() < retry_until:
+                continue
+            wait = connection.execute(NEXT_START).fetchone()[0]
+            if wait is None or wait <= 0:
+                # A token is back but another claim holds it until its transaction ends.
+                time.sleep(BUSY)
+                continue
+            if wait > EARLY:
+                time.sleep(min(wait - EARLY, 0.5))
+            retry_until = time.monotonic() + 2 * EARLY
 
 
-threads = [threading.Thread(target=claimer, args=(n,)) for n in range(claimers)]
-for thread in threads:
-    thread.start()
-for thread in threads:
-    thread.join()
+# Processes, not threads: claimers waiting on one interpreter's lock came late to their tokens.
+processes = [multiprocessing.Process(target=claimer, args=(n,)) for n in range(claimers)]
+for process in processes:
+    process.start()
+for process in processes:
+    process.join()
