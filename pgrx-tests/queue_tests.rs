@@ -361,9 +361,9 @@ fn job_rows_read() -> i64 {
 
 #[pg_test]
 fn a_claim_of_some_kinds_reads_no_backlog_of_other_kinds() {
-    // 5,000 ready jobs of a kind nobody claims here, ahead in claim order: a job_kinds claim and
-    // the background worker's claim (registered kinds) take the later job of their kind reading
-    // a few dozen rows, not the backlog. Broken on purpose (claims reading every kind in claim
+    // 5,000 ready jobs of a kind nobody claims here, ahead in claim order: a job_kinds claim of
+    // one kind and the background worker's claim (one registered kind) take the later job of
+    // their kind reading a few rows, not the backlog. Broken on purpose (claims reading every kind in claim
     // order, as before), each read over 5,000.
     Spi::run(
         "SELECT count(*) FROM durable_jobs.enqueue_durable_jobs('backlog', array_fill('{}'::jsonb, ARRAY[5000]),
@@ -375,7 +375,7 @@ fn a_claim_of_some_kinds_reads_no_backlog_of_other_kinds() {
     let first: i64 = one("SELECT durable_jobs.enqueue_durable_job('wanted', '{}')");
     let second: i64 = one("SELECT durable_jobs.enqueue_durable_job('wanted', '{}')");
     let before = job_rows_read();
-    let claimed: i64 = one("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', job_kinds => ARRAY['wanted', 'other'])");
+    let claimed: i64 = one("SELECT job_id FROM durable_jobs.claim_next_durable_job('w', job_kinds => ARRAY['wanted'])");
     assert_eq!(claimed, first);
     let read = job_rows_read() - before;
     assert!(read < 100, "a job_kinds claim read {read} rows");
@@ -515,4 +515,49 @@ fn a_job_kinds_claim_reaches_jobs_behind_a_full_queues_backlog_of_its_kind() {
     };
     assert!(open_queue(claim_kinds("ARRAY['open_kinds']")), "naming the open queue");
     assert!(open_queue(claim_kinds("NULL")), "any queue");
+}
+
+#[pg_test]
+fn claims_by_kind_keep_the_claim_order_behind_jobs_they_may_not_take() {
+    // Eleven jobs of kind a of priority 10 whose key is at its limit, then one of kind a of
+    // priority 5 without a key, then one of kind b of priority 0: a claim of kind a, and a claim
+    // of kinds a and b, take the job of priority 5. (A claim by kind that read each kind's first
+    // jobs only took b's job, and left a's for as long as other kinds had jobs.)
+    Spi::run(
+        "SELECT durable_jobs.set_durable_job_queue_key_concurrency('q_order', 1);
+         SELECT count(*) FROM (
+             SELECT durable_jobs.enqueue_durable_job('a_order', '{}', queue_name => 'q_order', priority => 10,
+                                                     concurrency_key => 'k')
+             FROM generate_series(1, 11)) enqueued;",
+    )
+    .unwrap();
+    assert!(claim_from("q_order").is_some(), "the key is at its limit from here");
+    let behind: i64 =
+        one("SELECT durable_jobs.enqueue_durable_job('a_order', '{}', queue_name => 'q_order', priority => 5)");
+    Spi::run("SELECT durable_jobs.enqueue_durable_job('b_order', '{}', queue_name => 'q_order')").unwrap();
+    for kinds in ["ARRAY['a_order']", "ARRAY['a_order', 'b_order']"] {
+        let claimed: i64 = one(&format!(
+            "SELECT job_id FROM durable_jobs.claim_next_durable_job('w', ARRAY['q_order'], job_kinds => {kinds})"
+        ));
+        assert_eq!(claimed, behind, "{kinds}");
+        Spi::run(&format!(
+            "UPDATE durable_jobs.durable_job SET job_state = 'available', lease_owner = NULL, lease_token = NULL,
+                    lease_expires_at = NULL, attempt_count = 0 WHERE job_id = {behind}"
+        ))
+        .unwrap();
+    }
+}
+
+#[pg_test]
+fn a_claim_of_closed_queues_still_ends_their_exhausted_leases() {
+    // A job on its last attempt whose lease lapsed, in a queue now paused: a claim naming only
+    // that queue takes nothing, and ends the job lease_expired, as a claim did before it looked
+    // at its queues first. Failed with that look returning at once (the job stayed running).
+    let job: i64 = one("SELECT durable_jobs.enqueue_durable_job('k', '{}', queue_name => 'q_exhausted', max_attempts => 1)");
+    assert!(claim_from("q_exhausted").is_some());
+    expire_lease(job);
+    Spi::run("SELECT durable_jobs.pause_durable_job_queue('q_exhausted')").unwrap();
+    assert!(claim_from("q_exhausted").is_none());
+    assert_eq!(job_state(job), "failed");
+    assert_eq!(job_field::<String>(job, "last_failure_code").as_deref(), Some("lease_expired"));
 }

@@ -12,11 +12,11 @@ use crate::jobs::histograms::Observation;
 use crate::jobs::rates;
 use crate::jobs::slots;
 use crate::jobs::statements::{
-    kinds_in_claim_order, ALL_KINDS_ORDER, ALL_KINDS_SOURCE, CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA,
-    CLAIM_WITHOUT_HISTORY, COMPLETE, COMPLETE_BATCH, COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA,
-    COMPLETE_WITHOUT_HISTORY, EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA, FAIL_WITHOUT_HISTORY, HELD_LEASES,
-    RELEASE_UNSTARTED, RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH,
-    RENEW_BATCH_SKIPPING_HELD, STATE_AND_PERMISSION,
+    one_kind, ALL_KINDS, CLAIM, CLAIM_FOR_WORKER, CLAIM_ON_OLD_SCHEMA, CLAIM_WITHOUT_HISTORY, COMPLETE,
+    COMPLETE_BATCH, COMPLETE_BATCH_SKIPPING_HELD, COMPLETE_ON_OLD_SCHEMA, COMPLETE_WITHOUT_HISTORY,
+    EXPIRE_EXHAUSTED, FAIL, FAIL_ON_OLD_SCHEMA, FAIL_WITHOUT_HISTORY, HELD_LEASES, RELEASE_UNSTARTED,
+    RENEW_AFTER_ROLLBACK, RENEW_AFTER_ROLLBACK_WITHIN_LIMIT, RENEW_BATCH, RENEW_BATCH_SKIPPING_HELD,
+    STATE_AND_PERMISSION,
 };
 use crate::jobs::waiters::{self, Change};
 use crate::pg::plans;
@@ -52,12 +52,12 @@ fn first_value_in<T: FromDatum + IntoDatum>(
 const ANY_CONCURRENCY_LIMIT: &str =
     "SELECT EXISTS (SELECT 1 FROM durable_jobs.durable_job_queue WHERE concurrency_limit IS NOT NULL)";
 
-/// A claim statement taking up to `limit` jobs, of the kinds in parameter `kinds` when given
-/// (`statements::kinds_in_claim_order`), otherwise of every kind in claim order. The limit is
-/// written into the text: with a parameter there, the kept plan's generic form assumes a tenth
-/// of the queue and hash-joins the whole job table, so PostgreSQL planned every call anew (a
-/// third of an API call's time); with a number it keeps the generic plan after five calls.
-/// Written once per statement, limit and source: a claim does not copy 4 KB.
+/// A claim statement taking up to `limit` jobs, of the one kind in parameter `kinds` when given
+/// (`statements::one_kind`), otherwise of every kind in claim order. The limit is written into
+/// the text: with a parameter there, the kept plan's generic form assumes a tenth of the queue
+/// and hash-joins the whole job table, so PostgreSQL planned every call anew (a third of an API
+/// call's time); with a number it keeps the generic plan after five calls. Written once per
+/// statement, limit and source: a claim does not copy 4 KB.
 pub(crate) fn claim_text(statement: &'static str, limit: i32, kinds: Option<&'static str>) -> Rc<str> {
     thread_local! {
         static WRITTEN: RefCell<HashMap<(usize, usize, i32, bool), Rc<str>>> = RefCell::new(HashMap::new());
@@ -65,40 +65,18 @@ pub(crate) fn claim_text(statement: &'static str, limit: i32, kinds: Option<&'st
     WRITTEN.with(|written| {
         let key = (statement.as_ptr() as usize, statement.len(), limit, kinds.is_some());
         Rc::clone(written.borrow_mut().entry(key).or_insert_with(|| {
-            // Twice the limit and a few more of each kind: enough past the rows that claims
-            // committing meanwhile take, which the claim then skips.
-            let (source, order) = match kinds {
-                None => (ALL_KINDS_SOURCE.to_string(), ALL_KINDS_ORDER),
-                Some(kinds) => kinds_in_claim_order(kinds, 2 * limit + 8),
+            let (kind, order) = match kinds {
+                None => (ALL_KINDS.0.to_string(), ALL_KINDS.1),
+                Some(kinds) => one_kind(kinds),
             };
             statement
                 .replace("{limit}", &limit.to_string())
-                .replace("{source}", &source)
+                .replace("{kind}", &kind)
                 .replace("{order}", order)
                 .into()
         }))
     })
 }
-
-// Whether a ready job of the kinds $1 (in the queues $2, NULL: any) is left that no other
-// transaction holds.
-// Each kind through its own range of the kind's index (ordered as only that index gives, see
-// `kinds_in_claim_order`): with `job_kind = ANY ($1)` the kept plan read the whole table once a
-// backlog of another kind made the estimate large (an idle poll of the worker took milliseconds
-// behind 50,000 jobs of a kind it does not take).
-const READY_OF_KINDS: &str = "
-    SELECT EXISTS (
-        SELECT FROM pg_catalog.unnest($1::pg_catalog.text[]) AS wanted(kind),
-             LATERAL (SELECT FROM durable_jobs.durable_job j
-                      WHERE j.job_kind >= wanted.kind AND j.job_kind <= wanted.kind
-                        AND j.job_state IN ('available', 'running')
-                        AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
-                             OR (j.lease_expires_at <= pg_catalog.clock_timestamp()
-                                 AND j.attempt_count < j.max_attempts))
-                        AND ($2::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($2))
-                        AND NOT durable_jobs.durable_job_row_held(j.ctid)
-                      ORDER BY j.job_kind, j.priority DESC, j.run_after, j.job_id
-                      LIMIT 1) AS ready)";
 
 // The kinds a background worker's claim may take: those with a registration.
 const REGISTERED_KINDS: &str = "
@@ -127,23 +105,24 @@ pub const EXPIRE_BATCH: usize = 100;
 /// The background worker's expiry of exhausted leases (`EXPIRE_EXHAUSTED`), in the current
 /// transaction; their waiters wake at its commit. Returns how many it ended.
 pub fn expire_exhausted_leases() -> usize {
-    as_extension_owner(|| {
-        Spi::connect_mut(|client| {
-            let mut lapsed = Vec::new();
-            let expired: Vec<i64> =
-                plans::execute(client, EXPIRE_EXHAUSTED, &[DatumWithOid::null::<Vec<String>>()])
-                    .map(|row| {
-                        let job_id = row.get(1).unwrap().unwrap();
-                        lapsed.extend(LapsedLease::from_row(&row, job_id, 2));
-                        job_id
-                    })
-                    .collect();
-            attempts::record_lapsed_leases(client, lapsed);
-            let count = expired.len();
-            waiters::wake_waiters_at_commit(expired, Change::Terminal);
-            count
+    as_extension_owner(|| Spi::connect_mut(|client| expire_in(client, DatumWithOid::null::<Vec<String>>())))
+}
+
+/// `EXPIRE_EXHAUSTED` in the queues `queues` (NULL: every queue), with the attempts it ended
+/// recorded; returns how many it ended.
+fn expire_in(client: &mut pgrx::spi::SpiClient, queues: DatumWithOid) -> usize {
+    let mut lapsed = Vec::new();
+    let expired: Vec<i64> = plans::execute(client, EXPIRE_EXHAUSTED, &[queues])
+        .map(|row| {
+            let job_id = row.get(1).unwrap().unwrap();
+            lapsed.extend(LapsedLease::from_row(&row, job_id, 2));
+            job_id
         })
-    })
+        .collect();
+    attempts::record_lapsed_leases(client, lapsed);
+    let count = expired.len();
+    waiters::wake_waiters_at_commit(expired, Change::Terminal);
+    count
 }
 
 /// The claim shared by the SQL API and the background worker, which passes `handlers_only` to
@@ -178,14 +157,20 @@ pub fn claim_jobs(
             return Vec::new();
         }
         // A claim of queues that are all closed now (paused, full, or out of rate tokens) takes
-        // nothing, and reads none of their jobs.
+        // nothing, and reads none of their jobs; it still ends their exhausted leases, as the
+        // SQL API's claim statement does.
         if installed.has_attempt_history
             && queue_names.is_some_and(|queues| queues.iter().all(|queue| slots::queue_closed(client, queue)))
         {
+            if !handlers_only {
+                expire_in(client, names(queue_names));
+            }
             return Vec::new();
         }
-        // The SQL API's kinds are $5; the worker's, $7.
-        let kinds_parameter = kinds.as_ref().map(|_| if handlers_only { "$7" } else { "$5" });
+        // A claim of one kind reads that kind's range of the claim order; the SQL API's kinds
+        // are $5, the worker's $7.
+        let kinds_parameter =
+            kinds.as_ref().filter(|kinds| kinds.len() == 1).map(|_| if handlers_only { "$7" } else { "$5" });
         let claim = |client: &mut pgrx::spi::SpiClient, count: i32, by_kind: bool| -> Vec<ClaimedJob> {
             let kinds_parameter = kinds_parameter.filter(|_| by_kind);
             let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
@@ -252,20 +237,7 @@ pub fn claim_jobs(
             || handlers_only
             || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
         {
-            claimed = claim(client, limit, kinds.is_some());
-            // A claim by kind reads each kind's first jobs only (`kinds_in_claim_order`): when it
-            // comes back short while ready jobs of its kinds are left (behind jobs it may not take:
-            // a full queue or key, a registration that does not serve their enqueuer, a paused
-            // queue), the rest of the batch is claimed reading the whole claim order, as every
-            // claim did before.
-            let short = claimed.len() < limit as usize;
-            if short
-                && kinds.is_some()
-                && first_value_in(client, READY_OF_KINDS, &[names(kinds.as_deref()), names(queue_names)])
-                    == Some(true)
-            {
-                claimed.extend(claim(client, limit - claimed.len() as i32, false));
-            }
+            claimed = claim(client, limit, true);
             // A limit set between the check and the claim (the claim's snapshot is later):
             // all but the first job go back, and the batch is claimed one by one.
             if claimed.len() < 2

@@ -64,14 +64,6 @@ macro_rules! expire_exhausted_ctes {
     };
 }
 
-// The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
-// the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `{source}` and `{order}` are written in at run time (`jobs::lease::claim_text`): the job
-// table in claim order, or the jobs of the kinds the claim takes, merged in claim order from
-// the kind's index (`kinds_in_claim_order`). `$claimed` adds the status columns' changes where the schema has them, `$returning`
-// columns after the eight every claim returns, `$history` the recording of attempts
-// (`jobs::attempts`). The lease tokens come in $6, one per job the claim may take
-// (`randomness`), handed out in claim order.
 // How a claim keeps to concurrency limits. By place (schemas from 0.6.0 on, `jobs::slots`): a
 // job of a limited queue is taken only with a free place of its queue, and a job with a
 // concurrency key in a queue with a per-key limit only with a free place of its key (asked for
@@ -151,12 +143,12 @@ macro_rules! limits_by_lock {
 
 // The best ready jobs in the queues $1 names are claimed. A job is ready by the clock, not by
 // the transaction's start: the worker claims ahead at the end of a transaction that ran a
-// batch. `{source}` and `{order}` are written in at run time (`jobs::lease::claim_text`): the job
-// table in claim order, or the jobs of the kinds the claim takes, merged in claim order from
-// the kind's index (`kinds_in_claim_order`). `$claimed` adds the status columns' changes where the schema has them, `$returning`
-// columns after the eight every claim returns, `$history` the recording of attempts
-// (`jobs::attempts`), `$limits` the keeping to concurrency limits. The lease tokens come in $6,
-// one per job the claim may take (`randomness`), handed out in claim order.
+// batch. `{kind}` and `{order}` are written in at run time (`jobs::lease::claim_text`): nothing
+// and the claim order, or one kind's range of its index, in the same order (`one_kind`).
+// `$claimed` adds the status columns' changes where the schema has them, `$returning` columns
+// after the eight every claim returns, `$history` the recording of attempts (`jobs::attempts`),
+// `$limits` the keeping to concurrency limits. The lease tokens come in $6, one per job the
+// claim may take (`randomness`), handed out in claim order.
 macro_rules! claim_ctes {
     ($kind_filter:expr, $claimed:expr, $returning:expr, $history:ident, $limits:ident) => {
         concat!(
@@ -166,12 +158,12 @@ macro_rules! claim_ctes {
                     SELECT job_id, job_state AS was_state",
             $history!(was),
             $limits!(place),
-            " FROM {source}
+            " FROM durable_jobs.durable_job
                     WHERE ((job_state = 'available' AND run_after <= pg_catalog.clock_timestamp())
                            OR (job_state = 'running'
                                AND lease_expires_at <= pg_catalog.clock_timestamp()
                                AND attempt_count < max_attempts))
-                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1))
+                      AND ($1::pg_catalog.text[] IS NULL OR queue_name = ANY ($1)) {kind}
                       ",
             $limits!(filter, $kind_filter),
             "
@@ -201,40 +193,21 @@ macro_rules! claim_ctes {
     };
 }
 
-/// The candidates of a claim over the whole job table, in claim order.
-pub(crate) const ALL_KINDS_SOURCE: &str = "durable_jobs.durable_job";
-pub(crate) const ALL_KINDS_ORDER: &str = "priority DESC, run_after, job_id";
+/// A claim of every kind reads the claim order.
+pub(crate) const ALL_KINDS: (&str, &str) = ("", "priority DESC, run_after, job_id");
 
-/// The candidates of a claim that takes only the kinds in the array `kinds` (a parameter): the
-/// first `per_kind` ready jobs of each kind in claim order (`durable_job_kind_claim_order_idx`)
-/// in the queues $1 names and not paused, merged in claim order, each then locked through the
-/// table (skipping those other claims hold). The claim reads no job of a kind it does not take,
-/// and at most `per_kind` of each kind it takes (`jobs::lease::claim_jobs` reads on when that
-/// falls short); the join is a nested loop over the merge (`plans::CLAIM_PLANNER_SETTINGS`).
-/// The kind is asked for as a range of one value, and the rows ordered by the kind first, which
-/// only the kind's index gives: with `job_kind = wanted.kind` the planner takes the kind for a
-/// constant within each lateral call and may read the claim order instead, and the kept
-/// generic plan, which knows no kind, did so once statistics made one kind look common, past
-/// every job of the others (a claim of 30 ms behind 50,000 jobs of another kind).
-pub(crate) fn kinds_in_claim_order(kinds: &str, per_kind: i32) -> (String, &'static str) {
+/// A claim of one kind (the kind in element 1 of the array parameter `kinds`) reads that kind's
+/// range of `durable_job_kind_claim_order_idx`, in claim order, as far as it needs: no job of
+/// another kind, and exactly the jobs, in the same order, that the claim order would give it.
+/// The kind as a range of one value, and the order led by the kind, which only the kind's
+/// index gives: with an equality the planner takes the kind for a constant, and the kept
+/// generic plan, which knows no kind, read the claim order past other kinds' jobs once
+/// statistics made one kind look common. (A claim of several kinds reads the claim order: a
+/// merge of their ranges that reads each only as far as it needs is not built yet.)
+pub(crate) fn one_kind(kinds: &str) -> (String, &'static str) {
     (
-        format!(
-            "(SELECT k.job_id, k.priority, k.run_after
-                     FROM pg_catalog.unnest({kinds}::pg_catalog.text[]) AS wanted(kind),
-                          LATERAL (SELECT j.job_id, j.priority, j.run_after FROM durable_jobs.durable_job j
-                                   WHERE j.job_kind >= wanted.kind AND j.job_kind <= wanted.kind
-                                     AND j.job_state IN ('available', 'running')
-                                     AND ((j.job_state = 'available' AND j.run_after <= pg_catalog.clock_timestamp())
-                                          OR j.lease_expires_at <= pg_catalog.clock_timestamp())
-                                     AND ($1::pg_catalog.text[] IS NULL OR j.queue_name = ANY ($1))
-                                     AND NOT EXISTS (SELECT FROM durable_jobs.durable_job_queue q
-                                                     WHERE q.queue_name = j.queue_name AND q.paused)
-                                   ORDER BY j.job_kind, j.priority DESC, j.run_after, j.job_id
-                                   LIMIT {per_kind}) AS k
-                     ORDER BY k.priority DESC, k.run_after, k.job_id) AS c(kind_job_id, kind_priority, kind_run_after)
-                    JOIN durable_jobs.durable_job ON durable_job.job_id = c.kind_job_id"
-        ),
-        "c.kind_priority DESC, c.kind_run_after, c.kind_job_id",
+        format!("AND job_kind >= {kinds}[1] AND job_kind <= {kinds}[1]"),
+        "job_kind, priority DESC, run_after, job_id",
     )
 }
 

@@ -114,15 +114,10 @@ pub fn execute_in_claim_order<'conn>(
 /// No JIT: the claim's estimated cost grows with the queue and passes `jit_above_cost`
 /// (100,000) on a large one, and compiling its expressions took 19 ms per claim, against 1.4 ms
 /// to run it.
-/// A claim of some kinds merges their index ranges and joins each job to the table to lock it
-/// (`statements::kinds_in_claim_order`): by a nested loop only, so that the merge is read no
-/// further than the claim's limit (a hash join would read every range whole).
 pub const CLAIM_PLANNER_SETTINGS: &[(&std::ffi::CStr, &std::ffi::CStr)] = &[
     (c"plan_cache_mode", c"force_generic_plan"),
     (c"enable_sort", c"off"),
     (c"enable_bitmapscan", c"off"),
-    (c"enable_hashjoin", c"off"),
-    (c"enable_mergejoin", c"off"),
     (c"jit", c"off"),
 ];
 
