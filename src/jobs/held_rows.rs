@@ -11,12 +11,7 @@ use pgrx::prelude::*;
 #[cfg_attr(not(any(test, feature = "pg_test")), allow(dead_code))]
 pub const C_FUNCTIONS: [&str; 1] = ["durable_job_row_held"];
 
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_row_held() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
+crate::v1_function_info!(pg_finfo_durable_job_row_held);
 
 /// `durable_jobs.durable_job_row_held(tid)`, a V1 function: whether the job table's row version
 /// at `tid` is held by another transaction still in progress (an update or a row lock neither

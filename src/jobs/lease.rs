@@ -171,8 +171,7 @@ pub fn claim_jobs(
         // are $5, the worker's $7.
         let kinds_parameter =
             kinds.as_ref().filter(|kinds| kinds.len() == 1).map(|_| if handlers_only { "$7" } else { "$5" });
-        let claim = |client: &mut pgrx::spi::SpiClient, count: i32, by_kind: bool| -> Vec<ClaimedJob> {
-            let kinds_parameter = kinds_parameter.filter(|_| by_kind);
+        let claim = |client: &mut pgrx::spi::SpiClient, count: i32| -> Vec<ClaimedJob> {
             let lease_tokens: Vec<Uuid> = (0..count).map(|_| randomness::new_uuid()).collect();
             let args = [
                 names(queue_names),
@@ -231,18 +230,14 @@ pub fn claim_jobs(
         // lock, on a schema from before 0.6.0: a statement does not see its own claims when it
         // checks a queue's concurrency limit, so with limits in force a batch is claimed one job
         // per statement.
+        let limits_by_place = installed.has_attempt_history || handlers_only;
         let mut claimed = Vec::new();
-        if limit == 1
-            || installed.has_attempt_history
-            || handlers_only
-            || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
-        {
-            claimed = claim(client, limit, true);
+        if limit == 1 || limits_by_place || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true) {
+            claimed = claim(client, limit);
             // A limit set between the check and the claim (the claim's snapshot is later):
             // all but the first job go back, and the batch is claimed one by one.
             if claimed.len() < 2
-                || installed.has_attempt_history
-                || handlers_only
+                || limits_by_place
                 || first_value_in(client, ANY_CONCURRENCY_LIMIT, &[]) != Some(true)
             {
                 return claimed;
@@ -252,7 +247,7 @@ pub fn claim_jobs(
             release_unstarted(&extra, worker_id);
         }
         while claimed.len() < limit as usize {
-            let one = claim(client, 1, false);
+            let one = claim(client, 1);
             if one.is_empty() {
                 break;
             }

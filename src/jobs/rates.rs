@@ -116,19 +116,7 @@ fn take(queue: &str, job_id: i64) -> bool {
 #[cfg_attr(not(any(test, feature = "pg_test")), allow(dead_code))]
 pub const C_FUNCTIONS: [&str; 2] = ["durable_job_take_rate_token", "durable_job_rate_token_taken_at"];
 
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_take_rate_token() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
-
-#[unsafe(no_mangle)]
-#[doc(hidden)]
-pub extern "C" fn pg_finfo_durable_job_rate_token_taken_at() -> &'static pg_sys::Pg_finfo_record {
-    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1_API
-}
+crate::v1_function_info!(pg_finfo_durable_job_take_rate_token, pg_finfo_durable_job_rate_token_taken_at);
 
 /// `durable_jobs.durable_job_rate_token_taken_at(job_id int8)` (STRICT): when this claim
 /// statement took a token for the job, NULL if it took none.

@@ -339,19 +339,7 @@ pub const C_FUNCTIONS: [&str; 4] = [
     "durable_job_taken_key_slot",
 ];
 
-macro_rules! v1_function_info {
-    ($($info:ident),*) => {
-        $(
-            #[unsafe(no_mangle)]
-            #[doc(hidden)]
-            pub extern "C" fn $info() -> &'static pg_sys::Pg_finfo_record {
-                const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-                &V1_API
-            }
-        )*
-    };
-}
-v1_function_info!(
+crate::v1_function_info!(
     pg_finfo_durable_job_take_queue_slot,
     pg_finfo_durable_job_taken_queue_slot,
     pg_finfo_durable_job_take_key_slot,

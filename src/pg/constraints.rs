@@ -101,15 +101,26 @@ fn between_or_null(value: Option<i64>, low: Option<i64>, high: Option<i64>) -> b
     above && below
 }
 
+/// The V1 call-convention records (`pg_finfo_<name>`) of the library's hand-written C
+/// functions, which PostgreSQL looks up beside each symbol.
+#[macro_export]
+macro_rules! v1_function_info {
+    ($($info:ident),* $(,)?) => {
+        $(
+            #[unsafe(no_mangle)]
+            #[doc(hidden)]
+            pub extern "C" fn $info() -> &'static ::pgrx::pg_sys::Pg_finfo_record {
+                const V1_API: ::pgrx::pg_sys::Pg_finfo_record = ::pgrx::pg_sys::Pg_finfo_record { api_version: 1 };
+                &V1_API
+            }
+        )*
+    };
+}
+
 /// Exports `check(fcinfo) -> bool` as the V1 function `name` of the library.
 macro_rules! row_rule {
     ($name:ident, $finfo:ident, $check:ident) => {
-        #[unsafe(no_mangle)]
-        #[doc(hidden)]
-        pub extern "C" fn $finfo() -> &'static pg_sys::Pg_finfo_record {
-            const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-            &V1_API
-        }
+        $crate::v1_function_info!($finfo);
 
         #[pg_guard]
         #[unsafe(no_mangle)]
